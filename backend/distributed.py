@@ -1,0 +1,104 @@
+"""torch.distributed + megatron-core parallel state, handed out as one explicit object.
+
+megatron-core keeps its groups in module globals (parallel_state); our code does not
+read them: `init_parallel` builds them once and returns a `ProcessGroups` that the
+rest of the backend receives as an argument.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backend.device import dist_backend
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups one rank belongs to (megatron-core's order: tp-cp-ep-dp-pp)."""
+
+    world: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup  # attention data parallel (with cp folded out)
+    ep: dist.ProcessGroup
+    etp: dist.ProcessGroup
+    edp: dist.ProcessGroup
+
+    def size(self, name: str) -> int:
+        return dist.get_world_size(getattr(self, name))
+
+    def rank(self, name: str) -> int:
+        return dist.get_rank(getattr(self, name))
+
+
+def _groups_from_parallel_state() -> ProcessGroups:
+    from megatron.core import parallel_state as ps
+
+    return ProcessGroups(
+        world=dist.group.WORLD,
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        cp=ps.get_context_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        edp=ps.get_expert_data_parallel_group(),
+    )
+
+
+def init_parallel(
+    device: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    cp: int = 1,
+    seed: int = 1234,
+    init_method: str | None = None,
+) -> ProcessGroups:
+    """Join the process group (env:// under torchrun, a single rank otherwise) and set up mcore.
+
+    Call `prepare_device` first. `etp` defaults to 1 (experts not tensor-parallel), the
+    Qwen3-MoE recipe's choice.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if init_method is None and "MASTER_ADDR" not in os.environ:
+            if world != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch with torchrun")
+            # a lone rank needs no rendezvous: an in-process store, no port
+            dist.init_process_group(dist_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(
+                dist_backend(device), init_method=init_method, rank=rank, world_size=world
+            )
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp or 1,
+        )
+    # No CUDA RNG on CPU: the inference tracker keeps plain torch RNG (dropout is 0 here).
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=(device == "cpu"))
+    torch.manual_seed(seed)
+    return _groups_from_parallel_state()
+
+
+def destroy_parallel() -> None:
+    """Tear down mcore's groups and the process group (tests reuse the process)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

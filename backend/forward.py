@@ -1,0 +1,37 @@
+"""Forward helpers on a megatron-core GPTModel: masks, logits, per-token log-probs."""
+
+import torch
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mcore's attention mask convention: bool [1, 1, s, s], True where attention is blocked.
+
+    Passed explicitly because megatron-core's default mask is created on 'cuda'.
+    """
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def forward_logits(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input."""
+    b, s = input_ids_BS.shape
+    position_ids_BS = torch.arange(s, device=input_ids_BS.device).expand(b, s)
+    return model(input_ids_BS, position_ids_BS, causal_mask(s, input_ids_BS.device))
+
+
+def token_log_probs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """log p(label) per token [B, S] from vocab-parallel logits (exact across the TP group).
+
+    Uses megatron-core's vocab-parallel cross entropy, so the full vocab is never gathered.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # mcore works in [S, B] order and overwrites its input in place: hand it an fp32 copy
+    logits_SBV = logits_BSV.transpose(0, 1).to(torch.float32, copy=True).contiguous()
+    nll_SB = vocab_parallel_cross_entropy(logits_SBV, labels_BS.t().contiguous())
+    return -nll_SB.t()
+
+
+def next_token_log_probs(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) per position [B, S-1], as an RL actor scores responses."""
+    logits_BSV = forward_logits(model, input_ids_BS)
+    return token_log_probs(logits_BSV[:, :-1], input_ids_BS[:, 1:])

@@ -1,0 +1,73 @@
+"""The few patches megatron-core needs where its code assumes CUDA or TransformerEngine.
+
+Every shim is named, says why it exists, lists the devices it is for, and is
+idempotent. `apply_shims(device)` runs the ones for that device; the device
+layer calls it before any model code imports megatron. Official flags are used
+instead of shims wherever megatron-core has one (see backend.model):
+
+- RNG: model_parallel_cuda_manual_seed(..., inference_rng_tracker=True) (no CUDA RNG state),
+- dispatcher: moe_token_dispatcher_type="allgather" on CPU (alltoall creates CUDA streams),
+- use_cpu_initialization=True on CPU.
+
+Measured on megatron-core 0.12.1 and 0.16.1 with torch 2.13 (CPU).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    why: str
+    devices: tuple[str, ...]
+    patch: Callable[[], None]
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_cuda_current_device() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = _cpu_current_device
+
+
+def _patch_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim(
+        name="cuda_current_device_is_cpu",
+        why="megatron-core passes device=torch.cuda.current_device() when it creates tensors "
+        "(rotary embedding, router, experts, TP mappings); with no CUDA that call raises, "
+        "so on CPU it answers the cpu device",
+        devices=("cpu",),
+        patch=_patch_cuda_current_device,
+    ),
+    Shim(
+        name="te_general_gemm_placeholder",
+        why="megatron-core 0.16 moe_utils reads te_general_gemm, bound only when "
+        "TransformerEngine imports; without TE the router forward raises NameError. "
+        "None selects its plain torch.mm path",
+        devices=("cpu", "cuda", "npu"),
+        patch=_patch_te_general_gemm,
+    ),
+)
+
+_applied: set[str] = set()
+
+
+def apply_shims(device: str) -> list[str]:
+    """Apply the shims meant for `device` (in order); return the names now active."""
+    for shim in SHIMS:
+        if device in shim.devices and shim.name not in _applied:
+            shim.patch()
+            _applied.add(shim.name)
+    return sorted(_applied)

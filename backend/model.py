@@ -1,0 +1,129 @@
+"""Build a megatron-core GPTModel for Qwen3-MoE from a validated HF spec.
+
+Qwen3's router is softmax over all experts, top-k, renormalised over the k when
+`norm_topk_prob`. megatron-core's TopKRouter with pre_softmax=False takes the top-k
+logits and softmaxes over them, which is the same renormalised distribution;
+pre_softmax=True (softmax then top-k, no renormalisation) is norm_topk_prob=False.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.device import has_transformer_engine
+from backend.distributed import ProcessGroups
+from backend.hf_config import Qwen3MoeSpec
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    # "auto": TransformerEngine spec when TE imports, megatron-core's local spec otherwise
+    spec: str = "auto"
+    # mcore's alltoall dispatcher creates CUDA streams; allgather is the CPU choice
+    dispatcher: str | None = None
+    recompute: bool = False
+    init_method_std: float = 0.02
+
+    def resolved_spec(self) -> str:
+        if self.spec == "auto":
+            return "te" if has_transformer_engine() else "local"
+        if self.spec not in ("te", "local"):
+            raise ValueError(f"unknown layer spec {self.spec!r}: choose auto, te or local")
+        return self.spec
+
+    def resolved_dispatcher(self) -> str:
+        return self.dispatcher or ("allgather" if self.device == "cpu" else "alltoall")
+
+
+def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions):
+    """megatron-core TransformerConfig for this spec on these process groups."""
+    from megatron.core.transformer import TransformerConfig
+
+    tp = groups.size("tp")
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        qk_layernorm=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.top_k,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_dtype="fp32",
+        # balancing is ours to add explicitly (backend aux-loss hook), never inherited
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=opts.resolved_dispatcher(),
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=groups.size("pp"),
+        context_parallel_size=groups.size("cp"),
+        expert_model_parallel_size=groups.size("ep"),
+        expert_tensor_parallel_size=groups.size("etp"),
+        sequence_parallel=tp > 1,  # required by mcore for MoE with TP
+        params_dtype=opts.dtype,
+        pipeline_dtype=opts.dtype,
+        bf16=opts.dtype == torch.bfloat16,
+        use_cpu_initialization=opts.device == "cpu",
+        init_method_std=opts.init_method_std,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **(recompute if opts.recompute else {}),
+    )
+
+
+def layer_spec(num_experts: int, kind: str):
+    """Layer spec: TransformerEngine modules ('te') or megatron-core's own ('local')."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if kind == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=True
+        )
+    return specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+
+
+def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | None = None):
+    """One pipeline stage of the Qwen3-MoE GPTModel (the whole model when pp == 1)."""
+    from megatron.core.models.gpt import GPTModel
+
+    opts = opts or BuildOptions()
+    config = transformer_config(spec, groups, opts)
+    pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec.num_experts, opts.resolved_spec()),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(spec.rope_theta),
+    )
+    if opts.device != "cpu":
+        model = model.to(torch.device(opts.device, torch.accelerator.current_device_index()))
+    return model

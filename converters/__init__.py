@@ -1,0 +1,1 @@
+"""HF <-> megatron-core weight conversion for Qwen3-MoE."""
