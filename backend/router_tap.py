@@ -1,0 +1,99 @@
+"""Observe every MoE router call of a megatron-core model, for the monitor and the aux loss.
+
+megatron-core builds its TopKRouter inside MoELayer (no spec slot to swap it), so we
+attach a forward hook to each router instance. The hook hands listeners a `RouterCall`:
+the layer, the tokens' routing decisions, and router logits recomputed from the router's
+input so that they are differentiable (probs from mcore are zero outside the top-k, and
+balancing losses need the full softmax). The recompute costs one [T, H] x [H, E] matmul.
+
+Token masks: the caller sets a [B, S] bool mask of the tokens that count (no padding;
+optionally response tokens only). Router inputs are [S_local, B, H] in megatron's
+sequence-first order; with sequence parallelism each TP rank holds a contiguous 1/tp of S,
+so the tap slices the mask the same way before flattening.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from backend.distributed import ProcessGroups
+
+
+@dataclass
+class RouterCall:
+    layer: int  # global 0-based layer index
+    logits_TE: torch.Tensor  # fp32 router logits, differentiable when grad is enabled
+    routing_map_TE: torch.Tensor  # bool, True where a token was sent to an expert
+    valid_T: torch.Tensor | None  # bool mask of tokens that count, None = all
+    recompute: bool  # True when activation recompute replays the forward during backward
+
+
+Listener = Callable[[RouterCall], None]
+
+
+def _in_backward() -> bool:
+    # activation recompute replays forwards inside the autograd engine's backward pass
+    return torch._C._current_graph_task_id() != -1
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+class RouterTap:
+    """Forward hooks on all routers of `model`; listeners get one RouterCall per router call."""
+
+    def __init__(self, model: torch.nn.Module, groups: ProcessGroups):
+        self.groups = groups
+        self.listeners: list[Listener] = []
+        self._mask_SB: torch.Tensor | None = None
+        self._handles = [r.register_forward_hook(self._hook) for r in router_modules(model)]
+        if not self._handles:
+            raise ValueError("model has no MoE router (TopKRouter): is it a Qwen3-MoE GPTModel?")
+
+    @property
+    def num_routers(self) -> int:
+        return len(self._handles)
+
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def set_token_mask(self, valid_BS: torch.Tensor | None) -> None:
+        """Tokens that count for the next forward passes ([B, S] bool), None for all."""
+        self._mask_SB = None if valid_BS is None else valid_BS.t().contiguous()
+
+    def _local_valid_T(self, num_tokens: int) -> torch.Tensor | None:
+        if self._mask_SB is None:
+            return None
+        mask_SB = self._mask_SB
+        if mask_SB.numel() != num_tokens:  # sequence parallel: this TP rank's slice of S
+            mask_SB = mask_SB.chunk(self.groups.size("tp"), dim=0)[self.groups.rank("tp")]
+        if mask_SB.numel() != num_tokens:
+            raise ValueError(f"token mask covers {mask_SB.numel()} tokens, router saw {num_tokens}")
+        return mask_SB.reshape(-1)
+
+    def _hook(self, router, args, output) -> None:
+        if not self.listeners:
+            return
+        hidden = args[0]
+        _, routing_map_TE = output
+        logits_TE = torch.nn.functional.linear(
+            hidden.reshape(-1, hidden.shape[-1]).float(), router.weight.float()
+        )
+        call = RouterCall(
+            layer=router.layer_number - 1,
+            logits_TE=logits_TE,
+            routing_map_TE=routing_map_TE,
+            valid_T=self._local_valid_T(logits_TE.shape[0]),
+            recompute=_in_backward(),
+        )
+        for listener in self.listeners:
+            listener(call)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,51 @@
+"""Run a test function on N local gloo ranks (separate processes) and collect results."""
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    try:
+        queue.put((rank, fn(rank, *args), None))
+    except BaseException:  # report, then let the parent fail the test
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
+    """fn(rank, *args) on `world` processes; returns the per-rank results in rank order.
+
+    fn must be a module-level function (spawn pickles it by name) and must itself
+    call backend.device.prepare_device and init_parallel.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, value, err = queue.get(timeout=timeout)
+            results[rank] = value
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
