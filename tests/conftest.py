@@ -33,3 +33,10 @@ def world1():
 @pytest.fixture
 def tiny_config_factory():
     return tiny_config
+
+
+def pytest_report_header(config):
+    import megatron.core
+    import transformers
+
+    return f"megatron-core {megatron.core.__version__} ({megatron.core.__file__}), transformers {transformers.__version__}"

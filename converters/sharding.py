@@ -1,0 +1,134 @@
+"""TP / EP / PP slicing between full (world-size-1) mcore tensors and one rank's parameters.
+
+One generic layer for every converter: the name table (converters.qwen3_moe) says what
+a full mcore tensor is made of; this module says which part of it a rank holds.
+- TP: megatron tags split parameters with `tensor_model_parallel` and `partition_dim`;
+  expert weights split over the expert-TP group, everything else over TP.
+- GLU fc1 (cat(gate, up)): each rank holds cat(gate_r, up_r), not a contiguous slice.
+- QKV needs no special case: fused per query group, a contiguous slice is whole groups.
+- EP: local expert j is global expert ep_rank * E/ep + j (converters.qwen3_moe.ExpertSlice).
+- PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
+"""
+
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from backend.distributed import ProcessGroups
+from backend.hf_config import Qwen3MoeSpec
+from converters.qwen3_moe import ExpertSlice, MappingError, hf_to_mcore
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def expert_slice(spec: Qwen3MoeSpec, groups: ProcessGroups) -> ExpertSlice:
+    return ExpertSlice(spec.num_experts, groups.size("ep"), groups.rank("ep"))
+
+
+def layer_offsets(model: torch.nn.Module) -> dict[int, int]:
+    """Stage-local layer index -> global 0-based layer index."""
+    return {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+
+
+def global_name(name: str, offsets: Mapping[int, int]) -> str:
+    """A stage-local parameter name with its layer index made global (identity at pp=1)."""
+    match = _LAYER.match(name)
+    if not match:
+        return name
+    return f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end():]
+
+
+def _tp_coords(name: str, groups: ProcessGroups) -> tuple[int, int]:
+    group = "etp" if ".mlp.experts." in name else "tp"
+    return groups.rank(group), groups.size(group)
+
+
+def _is_glu_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight")
+
+
+def shard(full: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """This rank's part of a full tensor, for the parameter `param` named `name`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    rank, size = _tp_coords(name, groups)
+    dim = param.partition_dim
+    if _is_glu_fc1(name):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat((gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]), dim=dim)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def unshard(local: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """Inverse of shard: all-gather a TP/ETP-split tensor into the full one (collective)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return local
+    group = "etp" if ".mlp.experts." in name else "tp"
+    size = groups.size(group)
+    if size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=getattr(groups, group))
+    dim = param.partition_dim
+    if _is_glu_fc1(name):
+        halves = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec: Qwen3MoeSpec,
+                    groups: ProcessGroups) -> None:
+    """Copy HF weights into this rank's (TP/EP/PP-sharded) mcore model in place."""
+    full = hf_to_mcore(hf, spec, expert_slice(spec, groups))
+    offsets = layer_offsets(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = global_name(name, offsets)
+            if key not in full:
+                raise MappingError(f"model parameter {name} has no HF source: is the model built from the same config?")
+            local = shard(full[key], name, param, groups)
+            if local.shape != param.shape:
+                raise MappingError(
+                    f"{name}: HF gives shape {tuple(local.shape)} on this rank, model expects "
+                    f"{tuple(param.shape)}; config.json and the weights disagree"
+                )
+            param.copy_(local)
+
+
+def gather_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
+                grads: bool = False) -> dict[str, torch.Tensor]:
+    """World-size-1 mcore names -> full tensors (params, or their .grad), gathered to every rank.
+
+    Collective over TP/ETP, EP and PP: every rank must call it.
+    """
+    experts = expert_slice(spec, groups)
+    offsets = layer_offsets(model)
+    local: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        tensor = param.grad if grads else param.detach()
+        if tensor is None:
+            tensor = torch.zeros_like(param)
+        key = global_name(name, offsets)
+        local[_globalise_expert(key, experts)] = unshard(tensor, name, param, groups).cpu()
+    for group in ("ep", "pp"):  # experts live on one EP rank, layers on one PP stage
+        if groups.size(group) > 1:
+            local = _merge_over(local, getattr(groups, group), groups.size(group))
+    return local
+
+
+_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
+
+
+def _globalise_expert(name: str, experts: ExpertSlice) -> str:
+    return _EXPERT.sub(lambda m: f"{m[1]}{experts.global_index(int(m[2]))}{m[3]}", name)
+
+
+def _merge_over(local: dict[str, torch.Tensor], group, size: int) -> dict[str, torch.Tensor]:
+    parts: list[dict[str, torch.Tensor] | None] = [None] * size
+    dist.all_gather_object(parts, local, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
