@@ -42,6 +42,31 @@ def _patch_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_torch_norm_sequence_parallel() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_allows_sequence_parallel", False):
+        return
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        # torch's norms are token-wise, so a sequence shard is fine; build with the check
+        # off, then tag the weights so grad finalisation sums them over TP as mcore expects
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._allows_sequence_parallel = True
+    WrappedTorchNorm.__new__ = staticmethod(new)
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim(
         name="cuda_current_device_is_cpu",
@@ -58,6 +83,15 @@ SHIMS: tuple[Shim, ...] = (
         "None selects its plain torch.mm path",
         devices=("cpu", "cuda", "npu"),
         patch=_patch_te_general_gemm,
+    ),
+    Shim(
+        name="torch_norm_sequence_parallel",
+        why="without Apex or TE, mcore's local norm is torch's RMSNorm wrapper, which refuses "
+        "sequence parallelism (an assert), and mcore requires sequence parallelism for MoE "
+        "with TP > 1; the norm is token-wise, so it is built with the check off and its "
+        "weights tagged sequence_parallel",
+        devices=("cpu", "cuda"),
+        patch=_patch_torch_norm_sequence_parallel,
     ),
 )
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend.compat import check_plan_supported
 from backend.device import has_transformer_engine
 from backend.distributed import ProcessGroups
 from backend.hf_config import Qwen3MoeSpec
@@ -109,6 +110,7 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
     from megatron.core.models.gpt import GPTModel
 
     opts = opts or BuildOptions()
+    check_plan_supported(groups.size("tp"), groups.size("ep"), groups.size("etp"))
     config = transformer_config(spec, groups, opts)
     pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
     model = GPTModel(

@@ -1,9 +1,11 @@
 """Run a test function on N local gloo ranks (separate processes) and collect results."""
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -17,7 +19,10 @@ def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     try:
-        queue.put((rank, fn(rank, *args), None))
+        # plain bytes: tensors shared by file descriptor die with the child process
+        buffer = io.BytesIO()
+        torch.save(fn(rank, *args), buffer)
+        queue.put((rank, buffer.getvalue(), None))
     except BaseException:  # report, then let the parent fail the test
         queue.put((rank, None, traceback.format_exc()))
 
@@ -38,7 +43,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     try:
         for _ in range(world):
             rank, value, err = queue.get(timeout=timeout)
-            results[rank] = value
+            results[rank] = None if err else torch.load(io.BytesIO(value), weights_only=False)
             if err:
                 errors.append(f"rank {rank}:\n{err}")
     finally:

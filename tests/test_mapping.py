@@ -59,7 +59,7 @@ def test_qkv_is_fused_per_query_group(spec):
     for g in range(spec.num_kv_heads):
         block = heads[g * per_group:(g + 1) * per_group]
         assert block == [*range(g * hpg, (g + 1) * hpg), 100 + g, 200 + g]
-    assert all(torch.equal(a, b) for a, b in zip(split_qkv(qkv, spec), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(qkv, spec), (q, k, v), strict=True))
 
 
 def test_fc1_is_gate_then_up_and_experts_follow_the_ep_slice(tiny_hf_dir, spec):

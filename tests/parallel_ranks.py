@@ -1,0 +1,104 @@
+"""Rank functions for the multi-process parity tests (module level: spawn imports them)."""
+
+import torch
+import torch.distributed as dist
+
+BATCH, SEQ = 4, 16
+
+
+def global_batch(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+def _sync_grads(model, groups) -> None:
+    """What mcore's DDP + finalize_model_grads do: DP sums, and TP sums of sequence-parallel params."""
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        dense_or_expert = "edp" if ".mlp.experts." in name else "dp"
+        dist.all_reduce(param.grad, group=getattr(groups, dense_or_expert))
+        if groups.size("tp") > 1 and (
+            getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+        ):
+            dist.all_reduce(param.grad, group=groups.tp)
+
+
+def _pipeline_forward_backward(model, groups, ids, loss_fn):
+    """Two-stage handoff (pp=2) through GPTModel's own stage split; returns last-stage logits."""
+    from backend.forward import forward_logits
+
+    stage, b, s = groups.rank("pp"), ids.shape[0], ids.shape[1]
+    hidden_shape = (s // groups.size("tp"), b, model.config.hidden_size)
+    pp_ranks = dist.get_process_group_ranks(groups.pp)
+    if stage == 0:
+        out = forward_logits(model, ids)  # hidden states [s(/tp), b, h] on the first stage
+        dist.send(out.detach().contiguous(), pp_ranks[1])
+        grad = torch.empty_like(out)
+        dist.recv(grad, pp_ranks[1])
+        out.backward(grad)
+        return None
+    received = torch.empty(hidden_shape)
+    dist.recv(received, pp_ranks[0])
+    received.requires_grad_(True)
+    model.set_input_tensor(received)
+    logits = forward_logits(model, ids)
+    loss_fn(logits).backward()
+    dist.send(received.grad.contiguous(), pp_ranks[0])
+    return logits
+
+
+def run_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1) -> dict:
+    """Load the tiny HF model at this plan, run the global batch, return loss/logits/grads."""
+    from backend.device import prepare_device
+
+    device = prepare_device("cpu")
+    from backend.distributed import init_parallel
+    from backend.forward import token_log_probs
+    from backend.hf_config import load_qwen3_moe_spec
+    from backend.model import build_model
+    from converters.hf_io import read_state_dict
+    from converters.sharding import gather_full, load_hf_sharded
+
+    groups = init_parallel(device, tp=tp, ep=ep, pp=pp, etp=etp)
+    spec = load_qwen3_moe_spec(hf_dir)
+    model = build_model(spec, groups)
+    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    ids = global_batch(spec.vocab_size).chunk(dp)[dp_rank]
+    n_tokens = BATCH * (SEQ - 1)
+    out = {}
+
+    def loss_fn(logits):
+        logp = token_log_probs(logits[:, :-1], ids[:, 1:])
+        loss = -logp.sum() / n_tokens  # token mean over the global batch
+        out["loss"] = loss.detach().clone()
+        out["logits"] = _gather_vocab(logits.detach(), groups)
+        return loss
+
+    if pp == 1:
+        from backend.forward import forward_logits
+
+        loss_fn(forward_logits(model, ids)).backward()
+    else:
+        _pipeline_forward_backward(model, groups, ids, loss_fn)
+    _sync_grads(model, groups)
+    grads = gather_full(model, groups, spec, grads=True)
+    last_stage = groups.rank("pp") == groups.size("pp") - 1
+    if last_stage:
+        dist.all_reduce(out["loss"], group=groups.dp)
+    return {
+        "dp_rank": dp_rank,
+        "last_stage": last_stage,
+        "loss": out.get("loss"),
+        "logits": out.get("logits"),
+        "grads": grads if rank == 0 else None,
+    }
+
+
+def _gather_vocab(logits_BSV, groups):
+    if groups.size("tp") == 1:
+        return logits_BSV
+    parts = [torch.empty_like(logits_BSV) for _ in range(groups.size("tp"))]
+    dist.all_gather(parts, logits_BSV.contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=-1)
