@@ -102,3 +102,30 @@ def _gather_vocab(logits_BSV, groups):
     parts = [torch.empty_like(logits_BSV) for _ in range(groups.size("tp"))]
     dist.all_gather(parts, logits_BSV.contiguous(), group=groups.tp)
     return torch.cat(parts, dim=-1)
+
+
+def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) -> dict:
+    """One McoreActor step (token-mean NLL, clipped AdamW) at a plan; its full synced grads."""
+    from backend.device import prepare_device
+
+    device = prepare_device("cpu")
+    from backend.actor import McoreActor, OptimConfig
+    from backend.distributed import init_parallel
+    from backend.hf_config import load_qwen3_moe_spec
+    from backend.model import build_model
+    from converters.hf_io import read_state_dict
+    from converters.sharding import gather_full, load_hf_sharded
+
+    groups = init_parallel(device, tp=tp, ep=ep)
+    spec = load_qwen3_moe_spec(hf_dir)
+    model = build_model(spec, groups)
+    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    actor = McoreActor(model, groups, OptimConfig(lr=1e-2, grad_clip=max_norm))
+    ids = global_batch(spec.vocab_size).chunk(groups.size("dp"))[groups.rank("dp")]
+    metrics = actor.train_step([{"input_ids": ids}], nll_token_mean)
+    return {"grad_norm": metrics["actor/grad_norm"], "grads": gather_full(model, groups, spec, grads=True)}
+
+
+def nll_token_mean(log_probs, micro_batch):
+    loss = -log_probs.sum() / (BATCH * (SEQ - 1))
+    return loss, {"loss": loss.detach()}

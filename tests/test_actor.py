@@ -1,0 +1,64 @@
+"""McoreActor: synced, clipped gradients and their norm agree across micro-batch splits, plans and torch.
+
+Gradients are compared after the step (train_step leaves them in .grad): Adam's first update
+is lr * sign(g) for tiny g, so comparing updated parameters would test rounding noise.
+"""
+
+import pytest
+import torch
+
+from backend.actor import McoreActor, OptimConfig
+from backend.hf_config import load_qwen3_moe_spec
+from backend.model import build_model
+from converters.hf_io import read_state_dict
+from converters.qwen3_moe import load_hf_into_model
+from tests.multiproc import run_ranks
+from tests.parallel_ranks import global_batch, nll_token_mean, run_actor_step
+
+MAX_NORM = 0.5
+
+
+def _world1_step(world1, hf_dir, max_norm):
+    spec = load_qwen3_moe_spec(hf_dir)
+    model = build_model(spec, world1)
+    load_hf_into_model(model, read_state_dict(hf_dir), spec)
+    actor = McoreActor(model, world1, OptimConfig(lr=1e-2, grad_clip=max_norm))
+    ids = global_batch(spec.vocab_size)
+    # the norm torch computes on the same gradients, before the step
+    loss, _ = nll_token_mean(actor.log_probs([{"input_ids": ids}])[0], None)
+    metrics = actor.train_step([{"input_ids": ids}], nll_token_mean)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    return metrics, expected, model
+
+
+def test_world1_grad_norm_is_torchs_and_clipping_applies(world1, tiny_hf_dir):
+    metrics, unclipped_after, model = _world1_step(world1, tiny_hf_dir, MAX_NORM)
+    assert metrics["actor/grad_norm"] > MAX_NORM  # the tiny model's first step is clipped
+    assert unclipped_after == pytest.approx(MAX_NORM, rel=1e-4)  # grads left at max_norm
+    assert metrics["loss"] > 0
+
+
+def test_micro_batch_split_gives_the_same_gradients(world1, tiny_hf_dir):
+    spec = load_qwen3_moe_spec(tiny_hf_dir)
+    ids = global_batch(spec.vocab_size)
+    grads = []
+    for splits in (1, 2):
+        model = build_model(spec, world1)
+        load_hf_into_model(model, read_state_dict(tiny_hf_dir), spec)
+        actor = McoreActor(model, world1, OptimConfig(lr=1e-2, grad_clip=MAX_NORM))
+        actor.train_step([{"input_ids": c} for c in ids.chunk(splits)], nll_token_mean)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_tp2xep2_gradients_and_norm_match_world1(world1, tiny_hf_dir):
+    metrics, _, model = _world1_step(world1, tiny_hf_dir, MAX_NORM)
+    results = run_ranks(run_actor_step, 4, str(tiny_hf_dir), 2, 2, MAX_NORM)
+    for r in results:
+        assert r["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert results[0]["grads"].keys() == ref.keys()
+    for name, value in results[0]["grads"].items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=name)
