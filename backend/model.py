@@ -84,6 +84,8 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
         use_cpu_initialization=opts.device == "cpu",
         init_method_std=opts.init_method_std,
         bias_dropout_fusion=False,
+        # fused SwiGLU keeps one activation instead of three on accelerators (jit kernel)
+        bias_activation_fusion=opts.device != "cpu",
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,

@@ -1,0 +1,107 @@
+"""Activation memory of the decoder layers on one device, for one micro-batch.
+
+Notation: T tokens in a micro-batch of one data-parallel replica, h hidden size,
+q = heads * head_dim, kv = kv_heads * head_dim, f = moe_intermediate_size, k = top-k,
+E = experts, b = bytes per activation value (2 for bf16).
+
+Saved for backward by one layer, per token (values of b bytes unless noted):
+  attention side, on T / (tp*cp) tokens per device (tp shards features inside the TP
+  region and sequence parallel shards tokens outside it, so both divide by tp):
+      layer input h + normed QKV input h + QKV output (q + 2kv, q/k-norm inputs and v)
+      + normed, rotated q and k (q + kv) + attention output q + pre-MLP norm input h
+      + router input h                                              = 4h + 3q + 3kv
+      fp32 norm statistics (2 + heads + kv_heads) * 4 B and attention log-sum-exp heads * 4 B
+      router state: fp32 probs E*4 B + routing map E B + top-k probs/indices and the
+      permutation indices k*20 B
+  expert side, on T * k * etp / (tp*cp) routed tokens per device (every token goes to k
+  experts; the etp ranks of one expert shard all see its tokens), perfectly balanced:
+      expert input h + fc1 output 2f/etp (fused weighted SwiGLU keeps only its input)
+      + fc2 input f/etp                                             = h + 3f/etp
+      + the token's routing prob in fp32, 4 B
+  unfused kernels (megatron-core's local spec on CPU) also keep: torch RMSNorm's normalized
+  copy (2h + q + kv), a split copy of q (q), RoPE cos/sin (4 head_dim), K and V repeated to
+  every head in place of the rotated k (2q - kv), the softmax probabilities (heads * seq_len)
+  and, per routed token, the SiLU output, linear half and gated product (3f/etp); the s x s
+  boolean mask (shared by all layers) is left out.
+With full recompute (megatron's "full"/"uniform", one layer per checkpoint) a layer keeps
+only its input, h on T/(tp*cp) tokens, and one layer at a time is re-run in backward.
+
+1F1B pipelining keeps (pp - stage) micro-batches in flight on a stage; the interleaved
+schedule keeps 2(pp - stage - 1) + (vpp - 1)pp + 1 model chunks (megatron's warm-up count
+plus one), L/(pp*vpp) layers each.
+"""
+
+from dataclasses import dataclass
+
+from backend.hf_config import Qwen3MoeSpec
+from parallel.plan import ModelFit, ParallelPlan
+
+
+@dataclass(frozen=True)
+class Kernels:
+    flash_attention: bool = True  # TE / MindSpeed fused attention: no s x s probabilities
+    fused_swiglu: bool = True  # megatron bias_swiglu fusion: keeps only the fc1 output
+
+
+PRODUCTION_KERNELS = Kernels()
+LOCAL_SPEC_KERNELS = Kernels(flash_attention=False, fused_swiglu=False)
+
+
+def attention_side_bytes_per_token(spec: Qwen3MoeSpec, b: int, kernels: Kernels,
+                                   seq_len: int) -> float:
+    h, hd, heads = spec.hidden_size, spec.head_dim, spec.num_heads
+    q, kv = heads * hd, spec.num_kv_heads * hd
+    values = 4 * h + 3 * q + 3 * kv
+    fp32_bytes = (2 + heads + spec.num_kv_heads) * 4
+    if kernels.flash_attention:
+        fp32_bytes += heads * 4
+    else:
+        values += 2 * h + 4 * q + 4 * hd + heads * seq_len
+    router_bytes = spec.num_experts * 5 + spec.top_k * 20
+    return values * b + fp32_bytes + router_bytes
+
+
+def expert_side_bytes_per_routed_token(spec: Qwen3MoeSpec, etp: int, b: int,
+                                       kernels: Kernels) -> float:
+    f = spec.moe_ffn_hidden_size / etp
+    values = spec.hidden_size + 3 * f + (0 if kernels.fused_swiglu else 3 * f)
+    return values * b + 4
+
+
+def layer_activation_bytes(spec: Qwen3MoeSpec, plan: ParallelPlan, tokens: int, b: int = 2,
+                           kernels: Kernels = PRODUCTION_KERNELS,
+                           seq_len: int | None = None) -> float:
+    """Bytes one decoder layer saves for backward on one device, for a micro-batch of `tokens`.
+
+    seq_len matters only for unfused attention (default: one sequence of `tokens`).
+    """
+    local_tokens = tokens / (plan.tp * plan.cp)
+    routed_tokens = local_tokens * spec.top_k * plan.etp
+    seq = seq_len or tokens
+    return (local_tokens * attention_side_bytes_per_token(spec, b, kernels, seq)
+            + routed_tokens * expert_side_bytes_per_routed_token(spec, plan.etp, b, kernels))
+
+
+def checkpoint_bytes(spec: Qwen3MoeSpec, plan: ParallelPlan, tokens: int, b: int = 2) -> float:
+    """What full recompute keeps per layer: its sequence-parallel input."""
+    return tokens / (plan.tp * plan.cp) * spec.hidden_size * b
+
+
+def layers_in_flight(plan: ParallelPlan, stage_layers: tuple[int, ...], stage: int) -> float:
+    """Decoder layers whose activations a stage holds at its peak (micro-batches >= pp)."""
+    if plan.pp == 1:
+        return stage_layers[0]
+    if plan.vpp:
+        chunks = 2 * (plan.pp - stage - 1) + (plan.vpp - 1) * plan.pp + 1
+        return chunks * stage_layers[stage] / plan.vpp
+    return (plan.pp - stage) * stage_layers[stage]
+
+
+def stage_activation_bytes(fit: ModelFit, stage: int, tokens: int, recompute: bool,
+                           b: int = 2, kernels: Kernels = PRODUCTION_KERNELS) -> float:
+    """Decoder activations held by one device of `stage` at its peak."""
+    layer = layer_activation_bytes(fit.spec, fit.plan, tokens, b, kernels)
+    layers = layers_in_flight(fit.plan, fit.stage_layers, stage)
+    if not recompute:
+        return layers * layer
+    return layers * checkpoint_bytes(fit.spec, fit.plan, tokens, b) + layer

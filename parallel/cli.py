@@ -1,0 +1,125 @@
+"""python -m parallel: check a parallel plan for Qwen3-MoE, or pick one with --auto.
+
+Prints the plan, the rank layout, the per-device memory and warnings. Exits 2 with a
+one-line message when the plan or the model config is illegal.
+"""
+
+import argparse
+import sys
+
+from backend.hf_config import ConfigError
+from parallel.advice import plan_warnings
+from parallel.auto import Candidate, rank_plans
+from parallel.layout import RankLayout
+from parallel.memory import (
+    DEVICE_LABELS,
+    DEVICE_MEMORY_GIB,
+    MemoryOptions,
+    estimate_memory,
+    format_memory,
+)
+from parallel.models import DEFAULT_MODEL_NAME, load_spec
+from parallel.plan import ParallelPlan, PlanError, check_against_model
+from parallel.report import layout_summary, model_summary, plan_summary
+
+DIMS = ("tp", "pp", "vpp", "cp", "ep", "etp")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m parallel", description=__doc__.splitlines()[0])
+    for dim in DIMS:
+        p.add_argument(f"--{dim}", type=int, default=None,
+                       help=f"{dim} size (default 1, or searched with --auto)")
+    p.add_argument("--first-stage-layers", type=int, default=None)
+    p.add_argument("--last-stage-layers", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--device", choices=("npu", "cuda", "cpu"), default="npu",
+                   help="npu: Ascend A2 (64 GiB), cuda: H100 (80 GiB)")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="device memory in GiB (overrides the device default)")
+    p.add_argument("--model", default=None,
+                   help=f"HF config.json or checkpoint dir (default: {DEFAULT_MODEL_NAME})")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192,
+                   help="tokens in one micro-batch of one data-parallel replica")
+    p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--offload-params", action="store_true",
+                   help="params to host, grad buffers released between updates")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="optimizer state to host between updates")
+    p.add_argument("--auto", action="store_true",
+                   help="search the legal plans (pinning any dimension given) and pick one")
+    p.add_argument("--top", type=int, default=5, help="ranked plans shown with --auto")
+    return p
+
+
+def _memory_options(args: argparse.Namespace) -> MemoryOptions:
+    if args.micro_batch_tokens < 1:
+        raise PlanError(f"--micro-batch-tokens={args.micro_batch_tokens} must be positive")
+    memory = args.device_memory_gb or DEVICE_MEMORY_GIB.get(args.device)
+    return MemoryOptions(
+        device_memory_gib=memory,
+        micro_batch_tokens=args.micro_batch_tokens,
+        recompute=args.recompute,
+        offload_params=args.offload_params,
+        offload_optimizer=args.offload_optimizer,
+    )
+
+
+def _device_label(args: argparse.Namespace, options: MemoryOptions) -> str:
+    memory = f", {options.device_memory_gib:g} GiB" if options.device_memory_gib else ""
+    return f"{DEVICE_LABELS[args.device]}{memory}"
+
+
+def _given_plan(args: argparse.Namespace) -> ParallelPlan:
+    dims = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
+    return ParallelPlan(nodes=args.nodes, devices_per_node=args.devices_per_node,
+                        first_stage_layers=args.first_stage_layers,
+                        last_stage_layers=args.last_stage_layers, **dims)
+
+
+def _auto_pick(args, spec, options) -> Candidate:
+    fixed = {d: getattr(args, d) for d in DIMS}
+    ranked = rank_plans(spec, args.nodes, args.devices_per_node, options, fixed)
+    print(f"auto: {len(ranked)} legal plans; best {min(args.top, len(ranked))} "
+          "(fits, inter-node tp/ep/etp/cp spans, pp, tp*cp, peak):")
+    for c in ranked[: args.top]:
+        use = c.memory.utilization
+        peak = f"{use:.0%}" if use is not None else f"{c.memory.update_bytes / 2**30:.1f} GiB"
+        print(f"  {'fits' if c.memory.fits else 'over'} {c.fit.plan.describe()}  "
+              f"spans={c.cross_node} peak={peak}")
+    print()
+    return ranked[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.model)
+    options = _memory_options(args)
+    if args.auto:
+        pick = _auto_pick(args, spec, options)
+        fit, layout, memory = pick.fit, pick.layout, pick.memory
+    else:
+        fit = check_against_model(_given_plan(args), spec)
+        layout = RankLayout(fit.plan)
+        memory = estimate_memory(fit, options)
+    print(model_summary(args.model or DEFAULT_MODEL_NAME, fit))
+    print(plan_summary(fit, _device_label(args, options)))
+    print(layout_summary(layout))
+    print(format_memory(memory, fit.plan.pp))
+    print("warnings:")
+    for line in plan_warnings(fit, layout, memory, options.micro_batch_tokens):
+        print(f"  - {line}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for an illegal plan or model config)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error argparse already printed
+        return int(exit_.code or 0)
+    try:
+        return run(args)
+    except (PlanError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,84 @@
+"""Measure what decoder layers save for backward, to check the activation formula.
+
+Counts distinct tensor storages handed to autograd (saved_tensors_hooks) while a decoder
+layer runs forward, leaving out parameters. That is the memory backward keeps alive,
+which peak RSS or tracemalloc cannot isolate on CPU.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+class _SavedStorages:
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded = excluded
+        self.bytes_by_storage: dict[int, int] = {}
+        self.depth = 0  # > 0 while inside a measured module
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if self.depth and key not in self.excluded:
+            self.bytes_by_storage[key] = storage.nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_by_storage.values())
+
+
+@contextmanager
+def saved_bytes_inside(model: torch.nn.Module, modules: list[torch.nn.Module]):
+    """Yield a counter of bytes saved for backward while any of `modules` runs forward."""
+    counter = _SavedStorages({p.untyped_storage().data_ptr() for p in model.parameters()})
+
+    def enter(*_):
+        counter.depth += 1
+
+    def leave(*_):
+        counter.depth -= 1
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
+                                             m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            yield counter
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class ActivationCheck:
+    tokens: int
+    measured_bytes: int
+    estimated_bytes: float
+
+    @property
+    def relative_error(self) -> float:
+        return (self.estimated_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def check_tiny_activations(groups, tokens: int, seed: int = 0) -> ActivationCheck:
+    """Tiny model on one CPU rank (fp32, local spec): measured vs estimated decoder bytes.
+
+    `groups` comes from backend.distributed.init_parallel on a world of one.
+    """
+    from backend.forward import forward_logits
+    from backend.hf_config import load_qwen3_moe_spec
+    from backend.model import BuildOptions, build_model
+    from parallel.activations import LOCAL_SPEC_KERNELS, layer_activation_bytes
+    from parallel.plan import ParallelPlan
+    from recipes.local.tiny_model import tiny_config
+
+    spec = load_qwen3_moe_spec(tiny_config())
+    torch.manual_seed(seed)
+    model = build_model(spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local"))
+    input_ids = torch.randint(0, spec.vocab_size, (1, tokens))
+    with saved_bytes_inside(model, list(model.decoder.layers)) as counter:
+        forward_logits(model, input_ids)
+    per_layer = layer_activation_bytes(spec, ParallelPlan(devices_per_node=1), tokens, b=4,
+                                       kernels=LOCAL_SPEC_KERNELS)
+    return ActivationCheck(tokens, counter.total, spec.num_layers * per_layer)
