@@ -67,6 +67,14 @@ def _patch_torch_norm_sequence_parallel() -> None:
     WrappedTorchNorm.__new__ = staticmethod(new)
 
 
+def _patch_cuda_rng_state() -> None:
+    from megatron.core.tensor_parallel import random
+
+    if not torch.cuda.is_available():
+        random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+        random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim(
         name="cuda_current_device_is_cpu",
@@ -92,6 +100,14 @@ SHIMS: tuple[Shim, ...] = (
         "weights tagged sequence_parallel",
         devices=("cpu", "cuda"),
         patch=_patch_torch_norm_sequence_parallel,
+    ),
+    Shim(
+        name="cuda_rng_state_is_empty",
+        why="activation recompute (CheckpointFunction) saves and restores the CUDA RNG state "
+        "around each replay; with no CUDA there is none, so it is an empty tensor and "
+        "restoring it does nothing (CPU RNG state is still saved and restored by mcore)",
+        devices=("cpu",),
+        patch=_patch_cuda_rng_state,
     ),
 )
 

@@ -32,7 +32,7 @@ class RouterCall:
 Listener = Callable[[RouterCall], None]
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     # activation recompute replays forwards inside the autograd engine's backward pass
     return torch._C._current_graph_task_id() != -1
 
@@ -43,16 +43,12 @@ def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
-class RouterTap:
-    """Forward hooks on all routers of `model`; listeners get one RouterCall per router call."""
+class TapBase:
+    """Listener bookkeeping shared by the megatron-core and transformers router taps."""
 
-    def __init__(self, model: torch.nn.Module, groups: ProcessGroups):
-        self.groups = groups
+    def __init__(self) -> None:
         self.listeners: list[Listener] = []
-        self._mask_SB: torch.Tensor | None = None
-        self._handles = [r.register_forward_hook(self._hook) for r in router_modules(model)]
-        if not self._handles:
-            raise ValueError("model has no MoE router (TopKRouter): is it a Qwen3-MoE GPTModel?")
+        self._handles: list = []
 
     @property
     def num_routers(self) -> int:
@@ -60,6 +56,31 @@ class RouterTap:
 
     def add_listener(self, listener: Listener) -> None:
         self.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def _emit(self, call: RouterCall) -> None:
+        for listener in self.listeners:
+            listener(call)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class RouterTap(TapBase):
+    """Forward hooks on all routers of `model`; listeners get one RouterCall per router call."""
+
+    def __init__(self, model: torch.nn.Module, groups: ProcessGroups):
+        super().__init__()
+        self.groups = groups
+        self._mask_SB: torch.Tensor | None = None
+        self._handles = [r.register_forward_hook(self._hook) for r in router_modules(model)]
+        if not self._handles:
+            raise ValueError("model has no MoE router (TopKRouter): is it a Qwen3-MoE GPTModel?")
 
     def set_token_mask(self, valid_BS: torch.Tensor | None) -> None:
         """Tokens that count for the next forward passes ([B, S] bool), None for all."""
@@ -88,12 +109,6 @@ class RouterTap:
             logits_TE=logits_TE,
             routing_map_TE=routing_map_TE,
             valid_T=self._local_valid_T(logits_TE.shape[0]),
-            recompute=_in_backward(),
+            recompute=in_backward(),
         )
-        for listener in self.listeners:
-            listener(call)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._emit(call)
