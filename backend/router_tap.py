@@ -14,6 +14,7 @@ so the tap slices the mask the same way before flattening.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -23,10 +24,15 @@ from backend.distributed import ProcessGroups
 @dataclass
 class RouterCall:
     layer: int  # global 0-based layer index
-    logits_TE: torch.Tensor  # fp32 router logits, differentiable when grad is enabled
     routing_map_TE: torch.Tensor  # bool, True where a token was sent to an expert
     valid_T: torch.Tensor | None  # bool mask of tokens that count, None = all
     recompute: bool  # True when activation recompute replays the forward during backward
+    make_logits: Callable[[], torch.Tensor]  # computed only if a listener asks (the monitor does not)
+
+    @cached_property
+    def logits_TE(self) -> torch.Tensor:
+        """fp32 router logits [T, E], differentiable when grad is enabled."""
+        return self.make_logits()
 
 
 Listener = Callable[[RouterCall], None]
@@ -99,16 +105,13 @@ class RouterTap(TapBase):
     def _hook(self, router, args, output) -> None:
         if not self.listeners:
             return
-        hidden = args[0]
+        hidden_TH = args[0].reshape(-1, args[0].shape[-1])
         _, routing_map_TE = output
-        logits_TE = torch.nn.functional.linear(
-            hidden.reshape(-1, hidden.shape[-1]).float(), router.weight.float()
-        )
         call = RouterCall(
             layer=router.layer_number - 1,
-            logits_TE=logits_TE,
             routing_map_TE=routing_map_TE,
-            valid_T=self._local_valid_T(logits_TE.shape[0]),
+            valid_T=self._local_valid_T(hidden_TH.shape[0]),
             recompute=in_backward(),
+            make_logits=lambda: torch.nn.functional.linear(hidden_TH.float(), router.weight.float()),
         )
         self._emit(call)

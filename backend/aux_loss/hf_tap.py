@@ -56,6 +56,8 @@ class HFRouterTap(TapBase):
                 raise ValueError(
                     f"token mask covers {valid_T.numel()} tokens, router saw {logits_TE.shape[0]}"
                 )
-            self._emit(RouterCall(layer, logits_TE.float(), routing_map_TE, valid_T, in_backward()))
+            self._emit(
+                RouterCall(layer, routing_map_TE, valid_T, in_backward(), lambda: logits_TE.float())
+            )
 
         return hook

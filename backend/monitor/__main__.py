@@ -1,0 +1,5 @@
+import sys
+
+from backend.monitor.cli import main
+
+sys.exit(main())
