@@ -34,7 +34,8 @@ class ProcessGroups:
         return dist.get_rank(getattr(self, name))
 
 
-def _groups_from_parallel_state() -> ProcessGroups:
+def current_groups() -> ProcessGroups:
+    """The groups megatron-core's parallel state holds now (after init_parallel)."""
     from megatron.core import parallel_state as ps
 
     return ProcessGroups(
@@ -92,7 +93,7 @@ def init_parallel(
     # No CUDA RNG on CPU: the inference tracker keeps plain torch RNG (dropout is 0 here).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=(device == "cpu"))
     torch.manual_seed(seed)
-    return _groups_from_parallel_state()
+    return current_groups()
 
 
 def destroy_parallel() -> None:

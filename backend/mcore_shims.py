@@ -75,6 +75,28 @@ def _patch_cuda_rng_state() -> None:
         random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+def _patch_cuda_synchronize() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda device=None: None
+
+
+def _patch_write_item_format() -> None:
+    from functools import partial
+
+    from torch.distributed.checkpoint import filesystem
+
+    from backend.compat import mcore_version
+
+    if mcore_version().release >= (0, 13) or not hasattr(filesystem, "SerializationFormat"):
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._write_item, partial):
+        filesystem_async._write_item = partial(
+            filesystem._write_item, serialization_format=filesystem.SerializationFormat.TORCH_SAVE
+        )
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim(
         name="cuda_current_device_is_cpu",
@@ -108,6 +130,21 @@ SHIMS: tuple[Shim, ...] = (
         "restoring it does nothing (CPU RNG state is still saved and restored by mcore)",
         devices=("cpu",),
         patch=_patch_cuda_rng_state,
+    ),
+    Shim(
+        name="cuda_synchronize_is_noop",
+        why="dist_checkpointing's writer calls torch.cuda.synchronize() after its "
+        "device-to-host copies; with no CUDA there is nothing to wait for",
+        devices=("cpu",),
+        patch=_patch_cuda_synchronize,
+    ),
+    Shim(
+        name="dist_ckpt_write_item_format",
+        why="megatron-core 0.12.1's torch_dist writer calls torch's filesystem _write_item "
+        "without the serialization_format argument newer torch requires; bind it to "
+        "TORCH_SAVE, the format it always wrote (no-op on megatron-core >= 0.13)",
+        devices=("cpu", "cuda", "npu"),
+        patch=_patch_write_item_format,
     ),
 )
 

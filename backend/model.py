@@ -27,6 +27,8 @@ class BuildOptions:
     dispatcher: str | None = None
     recompute: bool = False
     init_method_std: float = 0.02
+    # False skips random init (weights are loaded anyway; 80% of a meta build's time)
+    init_weights: bool = True
 
     def resolved_spec(self) -> str:
         if self.spec == "auto":
@@ -83,6 +85,7 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
         bf16=opts.dtype == torch.bfloat16,
         use_cpu_initialization=opts.device == "cpu",
         init_method_std=opts.init_method_std,
+        perform_initialization=opts.init_weights,
         bias_dropout_fusion=False,
         # fused SwiGLU keeps one activation instead of three on accelerators (jit kernel)
         bias_activation_fusion=opts.device != "cpu",

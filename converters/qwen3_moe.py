@@ -102,7 +102,8 @@ def split_qkv(qkv: torch.Tensor, spec: Qwen3MoeSpec) -> tuple[torch.Tensor, ...]
     return tuple(t.reshape(-1, hidden).contiguous() for t in (q, k, v))
 
 
-def _combine(row: Row, parts: list[torch.Tensor], spec: Qwen3MoeSpec) -> torch.Tensor:
+def combine_row(row: Row, parts: list[torch.Tensor], spec: Qwen3MoeSpec) -> torch.Tensor:
+    """The HF tensors of a row (in row.hf order) -> its one mcore tensor."""
     if row.how == "qkv":
         return fuse_qkv(*parts, spec)
     if row.how == "gate_up":
@@ -110,7 +111,8 @@ def _combine(row: Row, parts: list[torch.Tensor], spec: Qwen3MoeSpec) -> torch.T
     return parts[0]
 
 
-def _split(row: Row, tensor: torch.Tensor, spec: Qwen3MoeSpec) -> tuple[torch.Tensor, ...]:
+def split_row(row: Row, tensor: torch.Tensor, spec: Qwen3MoeSpec) -> tuple[torch.Tensor, ...]:
+    """One mcore tensor -> its HF tensors, in the order of row.hf."""
     if row.how == "qkv":
         return split_qkv(tensor, spec)
     if row.how == "gate_up":
@@ -201,7 +203,7 @@ def hf_to_mcore(
         if absent:
             missing.extend(absent)
             continue
-        out[mcore] = _combine(row, [hf[n] for n in hf_names], spec)
+        out[mcore] = combine_row(row, [hf[n] for n in hf_names], spec)
         used.update(hf_names)
     if missing:
         raise _missing(missing, "HF checkpoint lacks weights", "is the checkpoint complete and for this config?")
@@ -224,7 +226,7 @@ def mcore_to_hf(
         if name not in mcore:
             missing.append(name)
             continue
-        out.update(zip(hf_names, _split(row, mcore[name], spec), strict=True))
+        out.update(zip(hf_names, split_row(row, mcore[name], spec), strict=True))
     if missing:
         raise _missing(missing, "megatron-core state dict lacks tensors", "was it saved from this config?")
     return fuse_experts(out) if fused_experts else out
@@ -253,3 +255,4 @@ def model_to_hf(model: torch.nn.Module, spec: Qwen3MoeSpec, fused_experts: bool 
     """HF state dict of an mcore model's parameters (world size 1)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     return mcore_to_hf(params, spec, fused_experts)
+
