@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Main job. With no accelerator it runs the embedded default: the tiny Qwen3-MoE on CPU
-# through the megatron-core actor (HF -> mcore, parity check, fwd/bwd steps, export to HF).
+# Main job. On a machine with Ascend NPUs or NVIDIA GPUs: DAPO on verl with the megatron-core
+# actor, launched on the running Ray cluster (scripts/ray_start_head.sh / ray_start_worker.sh).
+# Without an accelerator: the embedded local run on CPU. All logic is in recipes/dapo/launch.py:
+#   bash scripts/train_mcore.sh --help
+#   bash scripts/train_mcore.sh --device npu --tp 4 --ep 8 --model DIR --train-file F --val-file F \
+#       --ckpt-dir DIR [--ifname eth0] [--dry-run] [-- verl.override=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
-exec .venv/bin/python -m recipes.local.smoke "$@"
+exec .venv/bin/python -m recipes.dapo.launch "$@"

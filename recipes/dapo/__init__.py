@@ -1,0 +1,14 @@
+"""DAPO on verl with our megatron-core actor: the cluster path.
+
+- engine.py: the verl engine (backend "mcore_ep", devices cuda / npu / cpu), registered with
+  verl's EngineRegistry when imported; verl imports it in every worker through
+  `actor_rollout_ref.model.external_lib` (and VERL_USE_EXTERNAL_MODULES).
+- config.py: the verl config dataclasses of that engine (`_target_` of the actor section).
+- overrides.py + fit.py: the verl overrides for Qwen3-30B-A3B on 4x8 Ascend A2 and 4x8 H100,
+  grouped by concern, offload decided by the memory model of `parallel/`.
+- launch.py: `python -m recipes.dapo` / scripts/train_mcore.sh: plan check, environment,
+  resolved config, launch on the running Ray cluster (or the local CPU run).
+See recipes/README.md.
+"""
+
+BACKEND = "mcore_ep"  # the EngineRegistry backend name (actor.strategy)

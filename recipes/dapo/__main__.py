@@ -1,0 +1,3 @@
+from recipes.dapo.launch import main
+
+raise SystemExit(main())

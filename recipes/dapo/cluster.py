@@ -1,0 +1,85 @@
+"""What the launcher does to the machine: job environment, Ray cluster check, starting processes."""
+
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+from recipes.dapo.overrides import ENGINE_MODULE
+
+REPO = Path(__file__).resolve().parents[2]
+# Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes),
+# the task-queue optimisation, vLLM's V1 engine (vllm-ascend)
+A2_ENV = {
+    "HCCL_CONNECT_TIMEOUT": "1800",
+    "HCCL_EXEC_TIMEOUT": "3600",
+    "TASK_QUEUE_ENABLE": "1",
+    "VLLM_USE_V1": "1",
+}
+OPEN_FILES = 65536
+_DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
+RAY_KIND = {"cuda": "GPU", "npu": "NPU"}
+
+
+class LaunchError(RuntimeError):
+    """The cluster is not ready for the run; the message says what to do."""
+
+
+def job_env(device: str, ifname: str | None) -> dict[str, str]:
+    """Environment of every process of the job (also passed to Ray workers)."""
+    env = {"VERL_USE_EXTERNAL_MODULES": ENGINE_MODULE, "PYTHONPATH": str(REPO)}
+    if device == "npu":
+        env.update(A2_ENV)
+    if ifname:
+        socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
+        env.update({socket: ifname, "GLOO_SOCKET_IFNAME": ifname})
+    return env
+
+
+def raise_open_files(limit: int = OPEN_FILES) -> None:
+    """ulimit -n for this process and its children (HCCL opens many sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def ray_executable() -> str:
+    local = Path(sys.executable).with_name("ray")
+    return str(local) if local.exists() else "ray"
+
+
+def ray_devices(status: str, device: str) -> int:
+    """Total GPUs / NPUs in `ray status` output."""
+    kind = RAY_KIND[device]
+    return int(sum(float(total) for _, total, k in _DEVICES.findall(status) if k == kind))
+
+
+def check_ray(device: str, expected: int) -> None:
+    """The running Ray cluster offers at least `expected` devices of the right kind."""
+    try:
+        out = subprocess.run(
+            [ray_executable(), "status"], capture_output=True, text=True, timeout=120
+        )
+    except FileNotFoundError:
+        raise LaunchError(
+            "`ray` is not installed here: run scripts/bootstrap.sh and launch from the repo"
+        ) from None
+    if out.returncode != 0:
+        raise LaunchError(
+            "no running Ray cluster: start scripts/ray_start_head.sh on this node and "
+            "scripts/ray_start_worker.sh on the others"
+        )
+    have = ray_devices(out.stdout, device)
+    if have < expected:
+        raise LaunchError(
+            f"Ray cluster offers {have} {RAY_KIND[device]}s, the plan needs {expected}: start "
+            "scripts/ray_start_worker.sh on the missing nodes, or lower --nodes"
+        )
+
+
+def run_command(cmd: list[str], env: dict[str, str]) -> int:
+    """The one place that starts the job's processes."""
+    return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)

@@ -1,0 +1,83 @@
+"""verl config dataclasses for the mcore_ep engine (hydra `_target_`s of the actor section).
+
+verl builds `ActorConfig` objects from the `_target_` of `actor_rollout_ref.actor`; the worker
+then asks EngineRegistry for `actor.engine.strategy`. We keep verl's default actor yaml (its
+FSDP keys are accepted and unused, hence the FSDPActorConfig base) and swap in our engine
+section `actor_rollout_ref.actor.mcore_ep`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.workers.config import ActorConfig, FSDPActorConfig
+from verl.workers.config.engine import EngineConfig
+
+from recipes.dapo import BACKEND
+
+
+class EngineConfigError(ValueError):
+    """An mcore_ep engine setting this engine cannot run."""
+
+
+@dataclass
+class McoreEpEngineConfig(EngineConfig):
+    """Parallel plan and actor options of the mcore_ep engine.
+
+    Parallel sizes use verl's megatron spellings. recompute: full activation recompute, one
+    layer per checkpoint. aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
+    z_coeff, scope). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
+    """
+
+    strategy: str = BACKEND
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    recompute: bool = False
+    aux_loss: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
+    monitor: dict[str, Any] = field(default_factory=lambda: {"enable": True, "log_dir": None})
+    checkpoint_shard_gb: float = 4.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != BACKEND:
+            raise EngineConfigError(
+                f"strategy={self.strategy!r} is not {BACKEND!r}: use McoreEpActorConfig "
+                f"only with actor.strategy={BACKEND}"
+            )
+        if self.pipeline_model_parallel_size != 1 or self.context_parallel_size != 1:
+            raise EngineConfigError(
+                f"pp={self.pipeline_model_parallel_size} cp={self.context_parallel_size}: "
+                "the mcore_ep "
+                "actor runs pp=1 and cp=1; use tp, ep and dp instead (python -m parallel --auto)"
+            )
+        if self.dtype not in ("bfloat16", "float32"):
+            raise EngineConfigError(
+                f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"
+            )
+
+    def plan(self) -> dict[str, int]:
+        return {
+            "tp": self.tensor_model_parallel_size,
+            "ep": self.expert_model_parallel_size,
+            "etp": self.expert_tensor_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+            "cp": self.context_parallel_size,
+        }
+
+
+@dataclass
+class McoreEpActorConfig(FSDPActorConfig):
+    """verl's actor config with the mcore_ep engine as `engine` (its `fsdp_config` is unused)."""
+
+    strategy: str = BACKEND
+    mcore_ep: McoreEpEngineConfig = field(default_factory=McoreEpEngineConfig)
+
+    def __post_init__(self) -> None:
+        ActorConfig.__post_init__(self)
+        if self.strategy != BACKEND:
+            raise EngineConfigError(
+                f"actor.strategy={self.strategy!r} with McoreEpActorConfig: set it to {BACKEND}"
+            )
+        self.engine = self.mcore_ep

@@ -1,0 +1,246 @@
+"""verl overrides for DAPO on Qwen3-30B-A3B with the mcore_ep actor, grouped by concern.
+
+Everything is on top of verl 0.9.1's `ppo_trainer` config and its V1 trainer (trainer.use_v1,
+sync mode), which carries DAPO's dynamic sampling (algorithm.filter_groups); the DAPO reward
+manager and math_dapo scoring are verl's too. A leading `+` adds a key verl's yaml lacks.
+The reference runs' settings are in DAPO below; what depends on the cluster (plan, offload,
+paths, environment) comes from a RunSpec.
+"""
+
+from dataclasses import dataclass
+
+from parallel.plan import ParallelPlan
+from recipes.dapo import BACKEND
+from recipes.dapo.fit import Fit
+
+DAPO = dict(
+    max_prompt_length=2048,
+    max_response_length=6144,
+    train_batch_size=32,
+    gen_batch_size=96,
+    n=16,
+    lr=1e-6,
+    warmup_steps=10,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    temperature=1.0,
+    val_top_p=0.7,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    overlong_buffer=4096,
+    overlong_penalty=1.0,
+    save_freq=50,
+    test_freq=200,
+    rollout_tp=2,
+)
+# padded tokens per micro-batch per DP rank: two full-length sequences (2048 + 6144)
+MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"])
+LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
+AUX_LOSS = {"mode": "observe", "type": "global_batch", "coeff": 0.001}  # logged, not applied
+ENGINE_MODULE = "recipes.dapo.engine"
+ACTOR = "actor_rollout_ref.actor"
+ENGINE = f"+{ACTOR}.{BACKEND}"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    device: str  # npu (Ascend A2) | cuda (H100)
+    plan: ParallelPlan
+    fit: Fit
+    model: str
+    train_file: str
+    val_file: str
+    ckpt_dir: str
+    env: dict[str, str]
+
+
+def data(run: RunSpec) -> dict:
+    return {
+        "data.train_files": run.train_file,
+        "data.val_files": run.val_file,
+        "data.prompt_key": "prompt",
+        "data.max_prompt_length": DAPO["max_prompt_length"],
+        "data.max_response_length": DAPO["max_response_length"],
+        "data.train_batch_size": DAPO["train_batch_size"],
+        "data.truncation": "left",
+        "data.filter_overlong_prompts": True,
+    }
+
+
+def algorithm(run: RunSpec) -> dict:
+    """GRPO advantages, no KL, DAPO dynamic sampling on accuracy."""
+    inflight = DAPO["gen_batch_size"] // DAPO["train_batch_size"]  # 96 prompts in flight
+    return {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.use_kl_in_reward": False,
+        "algorithm.kl_ctrl.kl_coef": 0.0,
+        "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_inflight_gen_batches": inflight,
+    }
+
+
+def policy(run: RunSpec) -> dict:
+    """DAPO's loss (clip-higher, dual clip, token-mean, no KL/entropy) and optimizer."""
+    return {
+        f"{ACTOR}.clip_ratio_low": DAPO["clip_ratio_low"],
+        f"{ACTOR}.clip_ratio_high": DAPO["clip_ratio_high"],
+        f"{ACTOR}.clip_ratio_c": DAPO["clip_ratio_c"],
+        f"{ACTOR}.loss_agg_mode": "token-mean",
+        f"{ACTOR}.use_kl_loss": False,
+        f"{ACTOR}.kl_loss_coef": 0.0,
+        f"{ACTOR}.entropy_coeff": 0,
+        f"{ACTOR}.ppo_mini_batch_size": DAPO["train_batch_size"],  # one update per step
+        f"{ACTOR}.ppo_epochs": 1,
+        f"{ACTOR}.use_dynamic_bsz": True,
+        f"{ACTOR}.ppo_max_token_len_per_gpu": MICRO_BATCH_TOKENS,
+        f"{ACTOR}.optim.lr": DAPO["lr"],
+        f"{ACTOR}.optim.lr_warmup_steps": DAPO["warmup_steps"],
+        f"{ACTOR}.optim.weight_decay": DAPO["weight_decay"],
+        f"{ACTOR}.optim.clip_grad": DAPO["grad_clip"],
+    }
+
+
+def engine(run: RunSpec) -> dict:
+    """Our backend in place of FSDP: registered by ENGINE_MODULE, configured by config.py."""
+    return {
+        "actor_rollout_ref.model.path": run.model,
+        "actor_rollout_ref.model.external_lib": ENGINE_MODULE,
+        f"{ACTOR}._target_": "recipes.dapo.config.McoreEpActorConfig",
+        f"{ACTOR}.strategy": BACKEND,
+        f"{ENGINE}._target_": "recipes.dapo.config.McoreEpEngineConfig",
+        f"{ENGINE}.tensor_model_parallel_size": run.plan.tp,
+        f"{ENGINE}.expert_model_parallel_size": run.plan.ep,
+        f"{ENGINE}.expert_tensor_parallel_size": run.plan.etp,
+        f"{ENGINE}.recompute": True,
+        f"{ENGINE}.param_offload": run.fit.param_offload,
+        f"{ENGINE}.optimizer_offload": run.fit.optimizer_offload,
+        f"{ENGINE}.aux_loss": _hydra_dict(AUX_LOSS),
+        f"{ENGINE}.monitor.enable": True,
+        f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
+    }
+
+
+def rollout(run: RunSpec) -> dict:
+    r = "actor_rollout_ref.rollout"
+    return {
+        f"{r}.name": "vllm",
+        f"{r}.mode": "async",
+        f"{r}.tensor_model_parallel_size": DAPO["rollout_tp"],
+        f"{r}.gpu_memory_utilization": run.fit.gpu_memory_utilization,
+        f"{r}.n": DAPO["n"],
+        f"{r}.temperature": DAPO["temperature"],
+        f"{r}.top_p": 1.0,
+        f"{r}.top_k": -1,
+        f"{r}.max_num_batched_tokens": DAPO["max_prompt_length"] + DAPO["max_response_length"],
+        f"{r}.enable_chunked_prefill": True,
+        f"{r}.log_prob_use_dynamic_bsz": True,
+        f"{r}.log_prob_max_token_len_per_gpu": LOG_PROB_TOKENS,
+        f"{r}.val_kwargs.temperature": DAPO["temperature"],
+        f"{r}.val_kwargs.top_p": DAPO["val_top_p"],
+        f"{r}.val_kwargs.top_k": -1,
+        f"{r}.val_kwargs.do_sample": True,
+        f"{r}.val_kwargs.n": 1,
+    }
+
+
+def reward(run: RunSpec) -> dict:
+    """verl's DAPO reward manager (math_dapo score, `acc` in its extra info) + overlong buffer."""
+    kw = "+reward.reward_kwargs"
+    return {
+        "reward.reward_manager.name": "dapo",
+        f"{kw}.max_resp_len": DAPO["max_response_length"],
+        f"{kw}.overlong_buffer_cfg.enable": True,
+        f"{kw}.overlong_buffer_cfg.len": DAPO["overlong_buffer"],
+        f"{kw}.overlong_buffer_cfg.penalty_factor": DAPO["overlong_penalty"],
+        f"{kw}.overlong_buffer_cfg.log": False,
+    }
+
+
+def trainer(run: RunSpec) -> dict:
+    label = {"npu": "a2", "cuda": "h100"}[run.device]
+    return {
+        "trainer.use_v1": True,
+        "trainer.v1.trainer_mode": "sync",
+        "trainer.device": run.device,
+        "trainer.nnodes": run.plan.nodes,
+        "trainer.n_gpus_per_node": run.plan.devices_per_node,
+        "trainer.save_freq": DAPO["save_freq"],
+        "trainer.test_freq": DAPO["test_freq"],
+        "trainer.resume_mode": "auto",
+        "trainer.val_before_train": True,
+        "trainer.default_local_dir": run.ckpt_dir,
+        "trainer.logger": ["console", "tensorboard"],
+        "trainer.project_name": "mcore-moe-dapo",
+        "trainer.experiment_name": f"qwen3-30b-a3b-{label}-tp{run.plan.tp}-ep{run.plan.ep}",
+    }
+
+
+def ray_env(run: RunSpec) -> dict:
+    """Environment of every Ray worker of the job (verl's ray_init.runtime_env)."""
+    return {f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": v for k, v in run.env.items()}
+
+
+GROUPS = {
+    "data": data,
+    "algorithm": algorithm,
+    "policy": policy,
+    "engine": engine,
+    "rollout": rollout,
+    "reward": reward,
+    "trainer": trainer,
+    "ray_env": ray_env,
+}
+
+
+def build(run: RunSpec) -> dict[str, dict]:
+    """{concern: {override key: value}}."""
+    return {name: make(run) for name, make in GROUPS.items()}
+
+
+def key_of(override: str) -> str:
+    """The config path an override sets (without +, ++ or ~)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge(groups: dict[str, dict], extra: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """Pass-through overrides replace ours with the same key; others go to an 'extra' group."""
+    replaced, groups = [], {g: dict(kv) for g, kv in groups.items()}
+    remaining = {}
+    for item in extra:
+        if "=" not in item:
+            raise ValueError(
+                f"pass-through override {item!r} is not key=value: "
+                "write e.g. trainer.total_epochs=2"
+            )
+        key, value = item.split("=", 1)
+        hit = next(
+            ((g, k) for g, kv in groups.items() for k in kv if key_of(k) == key_of(key)), None
+        )
+        if hit:
+            groups[hit[0]][hit[1]] = value
+            replaced.append(key_of(key))
+        else:
+            remaining[key] = value
+    if remaining:
+        groups["extra"] = remaining
+    return groups, replaced
+
+
+def format_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _hydra_dict(d: dict) -> str:
+    return "{" + ",".join(f"{k}:{format_value(v)}" for k, v in d.items()) + "}"
+
+
+def to_cli(groups: dict[str, dict]) -> list[str]:
+    return [f"{k}={format_value(v)}" for kv in groups.values() for k, v in kv.items()]

@@ -1,0 +1,88 @@
+"""The engine's router instruments: expert-load monitor and router aux-loss hook.
+
+Both listen to one RouterTap on the model. Per optimizer step:
+  start_step(masks) -> [counting pass] -> per micro-batch set_tokens + fwd/bwd -> end_step()
+and forward-only passes (old log-probs, reference) are counted under their own phase.
+Either instrument is off when its package is absent or its setting says so; the startup
+log line says which.
+"""
+
+import logging
+from contextlib import nullcontext
+
+import torch
+
+from backend.distributed import ProcessGroups
+from backend.optional import available
+
+logger = logging.getLogger(__name__)
+
+
+class Routing:
+    def __init__(self, module, groups: ProcessGroups, spec, aux_loss: dict, monitor: dict):
+        self.tap = self.monitor = self.hook = None
+        self.updates = 0
+        want_monitor = bool(monitor.get("enable")) and available("backend.monitor")
+        want_aux = aux_loss.get("mode", "off") != "off" and available("backend.aux_loss")
+        if not (want_monitor or want_aux):
+            logger.warning("mcore_ep: expert-load monitor and router aux loss are off")
+            return
+        from backend.router_tap import RouterTap
+
+        self.tap = RouterTap(module, groups)
+        if want_monitor:
+            self.monitor = _monitor(spec, groups, monitor.get("log_dir"), self.tap)
+        if want_aux:
+            from backend.aux_loss import AuxLossConfig, mcore_aux_loss
+
+            config = AuxLossConfig(**aux_loss)
+            self.hook = mcore_aux_loss(
+                module, self.tap, config, groups, grad_scale=groups.size("dp")
+            )
+            logger.warning("mcore_ep: %s", config.describe())
+
+    @property
+    def needs_counting_pass(self) -> bool:
+        return self.hook is not None and self.hook.config.needs_counting_pass
+
+    def phase(self, name: str):
+        return self.monitor.phase(name) if self.monitor else nullcontext()
+
+    def set_tokens(self, valid_BS: torch.Tensor, response_BS: torch.Tensor | None) -> None:
+        if self.hook:
+            self.hook.set_tokens(self.hook.valid_tokens(valid_BS, response_BS))
+        elif self.tap:
+            self.tap.set_token_mask(valid_BS)
+
+    def start_step(self, micro_batches) -> None:
+        if self.hook:
+            self.hook.start_step(
+                [self.hook.valid_tokens(mb.valid_BS, mb.response_BS) for mb in micro_batches]
+            )
+
+    def counting(self):
+        return self.hook.counting() if self.needs_counting_pass else nullcontext()
+
+    def end_step(self) -> dict[str, float]:
+        """Metrics of this optimizer step (collective over the world when instruments are on)."""
+        aux = self.hook.end_step() if self.hook else {}
+        if self.tap:
+            self.tap.set_token_mask(None)
+        if not self.monitor:
+            return aux
+        self.updates += 1
+        return self.monitor.step_end(self.updates, aux_losses=aux)
+
+    def write_report(self, path, model: str) -> None:
+        if self.monitor:
+            self.monitor.write_report(path, model=model)
+
+
+def _monitor(spec, groups: ProcessGroups, log_dir, tap):
+    from backend.monitor import ExpertLoadMonitor, tensorboard_writer
+
+    writer = tensorboard_writer(log_dir, groups) if log_dir else None
+    monitor = ExpertLoadMonitor(
+        spec.num_layers, spec.num_experts, groups, writer=writer, top_k=spec.top_k
+    )
+    return monitor.attach(tap)

@@ -1,0 +1,112 @@
+"""scripts/prepare_data.py and recipes.dapo.data: what a DAPO dataset must hold, said clearly."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recipes.dapo import data
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
+
+
+def write_dataset(
+    path: Path, prompts: int, repeat: int = 1, source: str = "math_dapo", drop: str | None = None
+):
+    n = prompts * repeat
+    columns = {
+        "data_source": [source] * n,
+        "prompt": [[{"content": f"problem {i % prompts}", "role": "user"}] for i in range(n)],
+        "ability": ["MATH"] * n,
+        "reward_model": [
+            {"ground_truth": str(i % prompts), "style": "rule-lighteval/MATH_v2"} for i in range(n)
+        ],
+        "extra_info": [{"index": str(i % prompts)} for i in range(n)],
+    }
+    columns.pop(drop, None)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def expecting(dataset: data.Dataset, prompts: int) -> data.Dataset:
+    return dataclasses.replace(dataset, unique_prompts=prompts)
+
+
+def prepare_data_main():
+    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_good_file_counts_distinct_prompts_not_rows(tmp_path):
+    path = write_dataset(tmp_path / "aime.parquet", prompts=30, repeat=32)  # like AIME-2024's card
+    report = data.check_file(path, data.VAL)
+    assert report.ok, report.problems
+    assert (report.rows, report.unique_prompts) == (960, 30)
+
+
+def test_wrong_prompt_count_is_named(tmp_path):
+    report = data.check_file(
+        write_dataset(tmp_path / "t.parquet", prompts=12), expecting(data.TRAIN, 17_917)
+    )
+    assert report.problems == [
+        "12 distinct prompts, DAPO-Math-17k has 17,917: is it the right or a complete file?"
+    ]
+
+
+@pytest.mark.parametrize(
+    "column", ["prompt", "reward_model", "extra_info", "ability", "data_source"]
+)
+def test_missing_column_is_named(tmp_path, column):
+    report = data.check_file(
+        write_dataset(tmp_path / "t.parquet", 5, drop=column), expecting(data.TRAIN, 5)
+    )
+    assert f"column `{column}` is missing" in report.problems
+
+
+def test_unscorable_data_source_is_named(tmp_path):
+    report = data.check_file(
+        write_dataset(tmp_path / "t.parquet", 5, source="gsm8k"), expecting(data.TRAIN, 5)
+    )
+    assert len(report.problems) == 1 and "'gsm8k'" in report.problems[0]
+
+
+def test_plain_string_prompts_are_refused(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["what is 1+1"],
+                "data_source": ["math_dapo"],
+                "ability": ["MATH"],
+                "reward_model": [{"ground_truth": "2"}],
+                "extra_info": [{"index": "0"}],
+            }
+        ),
+        path,
+    )
+    report = data.check_file(path, expecting(data.TRAIN, 1))
+    assert any("chat messages" in p for p in report.problems)
+
+
+def test_script_says_what_is_missing_and_how_to_get_it(tmp_path, capsys):
+    write_dataset(tmp_path / data.VAL.filename, prompts=30)
+    assert prepare_data_main()(["--data-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / data.TRAIN.filename}"
+    assert out[1].strip() == (
+        f"missing: download it with `wget -O {tmp_path / data.TRAIN.filename} {data.TRAIN.url}`"
+    )
+    assert out[2] == f"ok  AIME-2024 {tmp_path / data.VAL.filename}: 30 rows, 30 distinct prompts"
+
+
+def test_script_passes_on_good_files(tmp_path):
+    write_dataset(tmp_path / data.TRAIN.filename, prompts=data.TRAIN.unique_prompts)
+    write_dataset(
+        tmp_path / data.VAL.filename, prompts=data.VAL.unique_prompts, repeat=32, source="aime2024"
+    )
+    assert prepare_data_main()(["--data-dir", str(tmp_path)]) == 0

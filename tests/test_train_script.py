@@ -1,0 +1,326 @@
+"""The cluster launcher (scripts/train_mcore.sh -> recipes.dapo.launch): dry runs resolve to
+exactly the verl overrides we expect on Ascend A2 and H100, verl's own config accepts them,
+and misuse stops with one line before anything is started."""
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from parallel.models import QWEN3_30B_A3B
+from recipes.dapo import cluster, launch
+
+REPO = Path(__file__).resolve().parents[1]
+A2_ENV = {
+    "HCCL_CONNECT_TIMEOUT": "1800",
+    "HCCL_EXEC_TIMEOUT": "3600",
+    "TASK_QUEUE_ENABLE": "1",
+    "VLLM_USE_V1": "1",
+    "HCCL_SOCKET_IFNAME": "eth0",
+    "GLOO_SOCKET_IFNAME": "eth0",
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A Qwen3-30B-A3B config dir (weights only where a test adds them) and DAPO-schema parquet."""
+    model = tmp_path / "Qwen3-30B-A3B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    table = pa.table(
+        {
+            "data_source": ["math_dapo"],
+            "prompt": [[{"content": "1+1?", "role": "user"}]],
+            "ability": ["MATH"],
+            "reward_model": [{"ground_truth": "2"}],
+            "extra_info": [{"index": "0"}],
+        }
+    )
+    for name in ("dapo-math-17k.parquet", "aime-2024.parquet"):
+        pq.write_table(table, tmp_path / name)
+    return {
+        "--model": model,
+        "--train-file": tmp_path / "dapo-math-17k.parquet",
+        "--val-file": tmp_path / "aime-2024.parquet",
+        "--ckpt-dir": tmp_path / "ckpt",
+    }
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if the launcher starts a process or asks Ray."""
+    started = []
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
+    return started
+
+
+def argv(files, *extra):
+    return [x for k, v in files.items() for x in (k, str(v))] + list(extra)
+
+
+def expected_overrides(device: str, files: dict) -> dict[str, str]:
+    """The full set for --tp 4 --ep 8 on 4 x 8 devices; A2 and H100 differ in offload and env."""
+    a2 = device == "npu"
+    actor, engine, rollout, kw = (
+        "actor_rollout_ref.actor",
+        "+actor_rollout_ref.actor.mcore_ep",
+        "actor_rollout_ref.rollout",
+        "+reward.reward_kwargs",
+    )
+    env = {
+        "VERL_USE_EXTERNAL_MODULES": "recipes.dapo.engine",
+        "PYTHONPATH": str(REPO),
+        **(A2_ENV if a2 else {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}),
+        "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
+    }
+    return {
+        "data.train_files": str(files["--train-file"]),
+        "data.val_files": str(files["--val-file"]),
+        "data.prompt_key": "prompt",
+        "data.max_prompt_length": "2048",
+        "data.max_response_length": "6144",
+        "data.train_batch_size": "32",
+        "data.truncation": "left",
+        "data.filter_overlong_prompts": "true",
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.use_kl_in_reward": "false",
+        "algorithm.kl_ctrl.kl_coef": "0.0",
+        "algorithm.filter_groups.enable": "true",
+        "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_inflight_gen_batches": "3",
+        f"{actor}.clip_ratio_low": "0.2",
+        f"{actor}.clip_ratio_high": "0.28",
+        f"{actor}.clip_ratio_c": "10.0",
+        f"{actor}.loss_agg_mode": "token-mean",
+        f"{actor}.use_kl_loss": "false",
+        f"{actor}.kl_loss_coef": "0.0",
+        f"{actor}.entropy_coeff": "0",
+        f"{actor}.ppo_mini_batch_size": "32",
+        f"{actor}.ppo_epochs": "1",
+        f"{actor}.use_dynamic_bsz": "true",
+        f"{actor}.ppo_max_token_len_per_gpu": "16384",
+        f"{actor}.optim.lr": "1e-06",
+        f"{actor}.optim.lr_warmup_steps": "10",
+        f"{actor}.optim.weight_decay": "0.1",
+        f"{actor}.optim.clip_grad": "1.0",
+        "actor_rollout_ref.model.path": str(files["--model"]),
+        "actor_rollout_ref.model.external_lib": "recipes.dapo.engine",
+        f"{actor}._target_": "recipes.dapo.config.McoreEpActorConfig",
+        f"{actor}.strategy": "mcore_ep",
+        f"{engine}._target_": "recipes.dapo.config.McoreEpEngineConfig",
+        f"{engine}.tensor_model_parallel_size": "4",
+        f"{engine}.expert_model_parallel_size": "8",
+        f"{engine}.expert_tensor_parallel_size": "1",
+        f"{engine}.recompute": "true",
+        f"{engine}.param_offload": "true" if a2 else "false",
+        f"{engine}.optimizer_offload": "true",
+        f"{engine}.aux_loss": "{mode:observe,type:global_batch,coeff:0.001}",
+        f"{engine}.monitor.enable": "true",
+        f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
+        f"{rollout}.name": "vllm",
+        f"{rollout}.mode": "async",
+        f"{rollout}.tensor_model_parallel_size": "2",
+        f"{rollout}.gpu_memory_utilization": "0.86" if a2 else "0.59",
+        f"{rollout}.n": "16",
+        f"{rollout}.temperature": "1.0",
+        f"{rollout}.top_p": "1.0",
+        f"{rollout}.top_k": "-1",
+        f"{rollout}.max_num_batched_tokens": "8192",
+        f"{rollout}.enable_chunked_prefill": "true",
+        f"{rollout}.log_prob_use_dynamic_bsz": "true",
+        f"{rollout}.log_prob_max_token_len_per_gpu": "32768",
+        f"{rollout}.val_kwargs.temperature": "1.0",
+        f"{rollout}.val_kwargs.top_p": "0.7",
+        f"{rollout}.val_kwargs.top_k": "-1",
+        f"{rollout}.val_kwargs.do_sample": "true",
+        f"{rollout}.val_kwargs.n": "1",
+        "reward.reward_manager.name": "dapo",
+        f"{kw}.max_resp_len": "6144",
+        f"{kw}.overlong_buffer_cfg.enable": "true",
+        f"{kw}.overlong_buffer_cfg.len": "4096",
+        f"{kw}.overlong_buffer_cfg.penalty_factor": "1.0",
+        f"{kw}.overlong_buffer_cfg.log": "false",
+        "trainer.use_v1": "true",
+        "trainer.v1.trainer_mode": "sync",
+        "trainer.device": device,
+        "trainer.nnodes": "4",
+        "trainer.n_gpus_per_node": "8",
+        "trainer.save_freq": "50",
+        "trainer.test_freq": "200",
+        "trainer.resume_mode": "auto",
+        "trainer.val_before_train": "true",
+        "trainer.default_local_dir": str(files["--ckpt-dir"]),
+        "trainer.logger": "[console,tensorboard]",
+        "trainer.project_name": "mcore-moe-dapo",
+        "trainer.experiment_name": f"qwen3-30b-a3b-{'a2' if a2 else 'h100'}-tp4-ep8",
+        **{f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": v for k, v in env.items()},
+    }
+
+
+def resolved(device, files, *extra):
+    args = launch.build_parser().parse_args(
+        argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0", "--dry-run")
+    )
+    return launch.resolve(args, device, list(extra))
+
+
+def flat(groups: dict) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in launch.overrides.to_cli(groups))
+
+
+@pytest.mark.parametrize("device", ["npu", "cuda"])
+def test_dry_run_yields_exactly_the_expected_overrides(device, files, nothing_starts, capsys):
+    assert flat(resolved(device, files).groups) == expected_overrides(device, files)
+    rc = launch.main(
+        argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0", "--dry-run")
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and nothing_starts == []
+    for item, value in expected_overrides(device, files).items():
+        assert f"  {item}={value}\n" in out
+
+
+def test_pass_through_overrides_replace_ours_or_are_added(files):
+    res = resolved("cuda", files, "data.train_batch_size=64", "trainer.total_epochs=2")
+    assert res.replaced == ["data.train_batch_size"]
+    assert res.groups["data"]["data.train_batch_size"] == "64"
+    assert res.groups["extra"] == {"trainer.total_epochs": "2"}
+
+
+@pytest.mark.parametrize("device", ["npu", "cuda"])
+def test_verl_composes_and_validates_the_overrides(device, files):
+    """verl's hydra config takes every override; its dataclasses build our engine config."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from recipes.dapo.config import McoreEpActorConfig, McoreEpEngineConfig
+
+    cli = launch.overrides.to_cli(resolved(device, files).groups)
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=cli)
+    validate_config(cfg, use_reference_policy=False, use_critic=False)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, McoreEpActorConfig) and isinstance(actor.engine, McoreEpEngineConfig)
+    assert actor.engine.plan() == {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert (actor.optim.lr, actor.optim.lr_warmup_steps, actor.optim.weight_decay) == (
+        1e-6,
+        10,
+        0.1,
+    )
+    algo = omega_conf_to_dataclass(cfg.algorithm)
+    assert (algo.filter_groups.enable, algo.filter_groups.metric) == (True, "acc")
+    assert cfg.reward.reward_kwargs.overlong_buffer_cfg.len == 4096
+
+
+def _fails_with_one_line(capsys, args, *needles):
+    rc = launch.main(args)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "plan, needle",
+    [
+        (["--tp", "3"], "tp*cp*pp=3 does not divide world=32"),
+        (["--tp", "8"], "tp=8 does not divide num_key_value_heads=4"),
+        (["--ep", "64"], "etp*ep*pp=64 does not divide world=32"),
+        (["--ep", "12", "--nodes", "3"], "ep=12 does not divide num_experts=128"),
+        (["--pp", "2"], "pp=1 and cp=1"),
+    ],
+)
+def test_illegal_plan_fails_before_anything_starts(plan, needle, files, nothing_starts, capsys):
+    _fails_with_one_line(capsys, argv(files, "--device", "cuda", *plan), needle)
+    assert nothing_starts == []
+
+
+def test_missing_files_fail_before_anything_starts(files, nothing_starts, capsys):
+    files["--train-file"] = files["--train-file"].with_name("nope.parquet")
+    _fails_with_one_line(
+        capsys, argv(files, "--device", "cuda", "--dry-run"), "nope.parquet", "wget -O"
+    )
+    files["--model"] = files["--model"].with_name("no-model")
+    _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "no config.json")
+    _fails_with_one_line(
+        capsys, ["--device", "cuda", "--model", "x"], "needs --train-file, --val-file, --ckpt-dir"
+    )
+    assert nothing_starts == []
+
+
+def test_model_without_weights_fails_a_real_launch(files, nothing_starts, capsys):
+    _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "no model.safetensors")
+    assert nothing_starts == []
+
+
+def test_npu_without_torch_npu_fails_before_anything_starts(files, nothing_starts, capsys):
+    if importlib.util.find_spec("torch_npu"):
+        pytest.skip("torch_npu is installed here")
+    (files["--model"] / "model.safetensors").write_bytes(b"")
+    _fails_with_one_line(capsys, argv(files, "--device", "npu"), "torch_npu", "install")
+    assert nothing_starts == []
+
+
+def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path):
+    (files["--model"] / "model.safetensors").write_bytes(b"")
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text("#!/bin/sh\necho ' 0.0/16.0 GPU'\n")
+    fake_ray.chmod(0o755)
+    monkeypatch.setattr(cluster, "ray_executable", lambda: str(fake_ray))
+    started = []
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    assert launch.main(argv(files, "--device", "cuda")) == 2  # 16 GPUs < 32
+    assert started == []
+    fake_ray.write_text("#!/bin/sh\necho ' 0.0/32.0 GPU'\n")
+    assert launch.main(argv(files, "--device", "cuda", "--", "trainer.total_epochs=1")) == 0
+    ((cmd, env),) = started
+    assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[-1] == "trainer.total_epochs=1"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.dapo.engine"
+
+
+def test_no_accelerator_runs_the_local_recipe(monkeypatch, nothing_starts, capsys):
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    assert launch.main(["--steps", "3", "--seed", "1"]) == 0
+    (cmd,) = nothing_starts
+    module = (
+        "recipes.local.dapo"
+        if launch.importlib.util.find_spec("recipes.local.dapo")
+        else "recipes.local.smoke"
+    )
+    assert cmd[1:] == ["-m", module, "--steps", "3", "--seed", "1"]
+    _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+
+
+def test_shell_script_forwards_to_the_launcher(files):
+    run = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "train_mcore.sh"),
+            "--dry-run",
+            *argv(files, "--device", "npu", "--tp", "4", "--ep", "8"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "+actor_rollout_ref.actor.mcore_ep.param_offload=true" in run.stdout
+    bad = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "train_mcore.sh"),
+            *argv(files, "--device", "npu", "--tp", "3"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: tp*cp*pp=3")

@@ -1,0 +1,307 @@
+"""The mcore_ep engine through verl's own engine interface, on the tiny Qwen3-MoE (CPU, fp32).
+
+Batches are built the way verl's V1 trainer builds them (list_of_dict_to_tensordict of
+per-sequence dicts: nested prompts/responses/input_ids, response-length masks), losses are
+verl's own (workers.utils.losses.ppo_loss with DAPO's clip-higher settings), and every
+number is checked against transformers' Qwen3MoeForCausalLM on the same weights.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import response_from_nested
+
+from backend.hf_config import load_qwen3_moe_spec
+from converters.hf_io import read_state_dict
+from converters.qwen3_moe import mcore_to_hf, unfuse_experts
+from converters.sharding import gather_full
+from recipes.dapo.overrides import AUX_LOSS
+
+LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
+
+
+def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False):
+    """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    import recipes.dapo.engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.config import McoreEpEngineConfig
+
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend="mcore_ep",
+        model_config=HFModelConfig(path=str(hf_dir), load_tokenizer=False),
+        engine_config=McoreEpEngineConfig(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            aux_loss=aux_loss or {"mode": "off"},
+            recompute=recompute,
+        ),
+        optimizer_config=FSDPOptimizerConfig(
+            lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
+        ),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+@pytest.fixture
+def make_engine(world1, tiny_hf_dir, monkeypatch):
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    return partial(build_engine, tiny_hf_dir)
+
+
+def dapo_actor_config():
+    from recipes.dapo.config import McoreEpActorConfig
+
+    return McoreEpActorConfig(
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=10.0,
+        loss_agg_mode="token-mean",
+    )
+
+
+def make_batch(max_tokens=32, seeds=(0,)):
+    """LENGTHS sequences per seed (random tokens and advantages), as one verl batch."""
+    rows = []
+    for seed in seeds:
+        rows += _rows(torch.Generator().manual_seed(seed))
+    data = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(
+        data,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_tokens,
+        temperature=1.0,
+        calculate_entropy=False,
+        global_batch_size=len(rows),
+    )
+    return data
+
+
+def _rows(gen):
+    rows = []
+    for p_len, r_len in LENGTHS:
+        prompt, response = (
+            torch.randint(0, 128, (p_len,), generator=gen),
+            torch.randint(0, 128, (r_len,), generator=gen),
+        )
+        ids = torch.cat([prompt, response])
+        ones = torch.ones(r_len, dtype=torch.long)
+        rows.append(
+            dict(
+                prompts=prompt,
+                responses=response,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(len(ids)),
+                response_mask=ones,
+                loss_mask=ones,
+                advantages=torch.randn(r_len, generator=gen),
+            )
+        )
+    return rows
+
+
+def hf_log_probs_and_entropy(hf_model, data):
+    """Per sequence, unpadded: log p(x_{t+1}) and the entropy at each position t."""
+    log_probs, entropies = [], []
+    for ids in data["input_ids"].unbind():
+        logp = torch.log_softmax(hf_model(ids[None]).logits[0].float(), dim=-1)
+        picked = logp[:-1].gather(-1, ids[1:, None])[:, 0]
+        log_probs.append(torch.cat([picked, picked.new_zeros(1)]))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    as_nested = partial(torch.nested.as_nested_tensor, layout=torch.jagged)
+    return as_nested(log_probs), as_nested(entropies)
+
+
+def test_registered_for_cuda_npu_and_cpu_and_selected_on_cpu(monkeypatch):
+    from verl.workers.engine import EngineRegistry
+
+    from recipes.dapo.engine import McoreEpEngine
+
+    assert set(EngineRegistry._engines["language_model"]["mcore_ep"]) == {"cuda", "npu", "cpu"}
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    assert EngineRegistry.get_engine_cls("language_model", "mcore_ep") is McoreEpEngine
+
+
+def test_infer_batch_log_probs_and_entropy_match_transformers(make_engine, tiny_hf_model):
+    engine, data = make_engine(), make_batch(max_tokens=24)
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    with engine.eval_mode():
+        out = engine.infer_batch(data)
+    with torch.no_grad():
+        ref_lp, ref_ent = hf_log_probs_and_entropy(tiny_hf_model, data)
+    assert len(out["loss"]) > 1  # several micro-batches, restored to the caller's row order
+    for ours, ref, what in (
+        (out["model_output"]["log_probs"], ref_lp, "log-prob"),
+        (out["model_output"]["entropy"], ref_ent, "entropy"),
+    ):
+        for row, (a, b) in enumerate(zip(ours.unbind(), ref.unbind(), strict=True)):
+            torch.testing.assert_close(
+                a[:-1], b[:-1], rtol=1e-4, atol=1e-5, msg=f"{what} row {row}"
+            )
+    # no next token after the last one: verl never reads it, we keep it 0 whatever the padding
+    assert all(row[-1] == 0 for row in out["model_output"]["log_probs"].unbind())
+
+
+def _on_policy(engine, data):
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
+    data["old_log_probs"] = response_from_nested(log_probs, data["response_mask"])
+
+
+def _engine_grads(engine, data, loss_fn):
+    with engine.train_mode(zero_grad_on_exit=False):
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(data, loss_fn)
+        spec = load_qwen3_moe_spec(engine.model_config.local_path)
+        grads = mcore_to_hf(gather_full(engine.module, engine.groups, spec, grads=True), spec)
+        engine.optimizer_zero_grad()
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "max_tokens, cluster_settings",
+    [(16, False), (64, False), (16, True)],
+    ids=["mb16", "mb64", "cluster"],
+)
+def test_dapo_loss_and_gradients_match_transformers(
+    make_engine, tiny_hf_model, max_tokens, cluster_settings
+):
+    """verl's ppo_loss (DAPO clip-higher, token-mean) through the engine = the same loss on HF.
+
+    cluster: the A2/H100 engine settings (full recompute, aux loss observed, not applied)."""
+    extra = dict(recompute=True, aux_loss=AUX_LOSS) if cluster_settings else {}
+    engine, data = make_engine(**extra), make_batch(max_tokens=max_tokens)
+    _on_policy(engine, data)
+    loss_fn = partial(ppo_loss, config=dapo_actor_config())
+    out, ours = _engine_grads(engine, data, loss_fn)
+    # on policy the ratio is 1: the token-mean of -advantage over all response tokens
+    advantages = data["advantages"].values()
+    assert sum(out["loss"]) == pytest.approx(-advantages.mean().item(), rel=1e-5)
+
+    tiny_hf_model.zero_grad(set_to_none=True)
+    ref_lp, _ = hf_log_probs_and_entropy(tiny_hf_model, data)
+    ref_loss, _ = loss_fn(model_output={"log_probs": ref_lp}, data=data)
+    ref_loss.backward()
+    ref = unfuse_experts({n: p.grad for n, p in tiny_hf_model.named_parameters()})
+    tiny_hf_model.zero_grad(set_to_none=True)
+    assert ours.keys() == ref.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
+    engine, data = make_engine(), make_batch()
+    _on_policy(engine, data)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with engine.train_mode():
+        out = engine.train_batch(data, loss_function=partial(ppo_loss, config=dapo_actor_config()))
+        lrs = [engine.optim.lr, engine.lr_scheduler_step()]
+    assert lrs == pytest.approx([1e-3 / 4, 2e-3 / 4])  # warm-up over 4 updates
+    assert out["metrics"]["grad_norm"] > 0
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "moe/update/tokens"} <= out["metrics"].keys()
+    assert out["metrics"]["moe/update/tokens"] == [sum(p + r for p, r in LENGTHS)]
+    assert all(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+
+
+def test_router_aux_loss_on_adds_its_metrics(make_engine):
+    engine = make_engine(aux_loss={"mode": "on", "type": "global_batch", "coeff": 1e-2})
+    data = make_batch()
+    _on_policy(engine, data)
+    out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+    assert out["metrics"]["moe/aux_loss/applied"] == [1.0]
+    assert out["metrics"]["moe/aux_loss/load_balancing/mean"][0] > 0
+
+
+def test_per_tensor_param_streams_the_hf_checkpoint(make_engine, tiny_hf_dir):
+    engine = make_engine()
+    stream, peft = engine.get_per_tensor_param()
+    assert peft is None
+    ours = dict(stream)
+    ref = unfuse_experts(read_state_dict(tiny_hf_dir))
+    assert ours.keys() == ref.keys()
+    for name, tensor in ref.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_hf_dir, tmp_path):
+    from converters.cli import main as converters_main
+
+    engine, data = make_engine(), make_batch()
+    _on_policy(engine, data)
+    with engine.train_mode():
+        engine.train_batch(data, loss_function=partial(ppo_loss, config=dapo_actor_config()))
+        engine.lr_scheduler_step()
+    trained = dict(engine.get_per_tensor_param()[0])
+    root = tmp_path / "global_step_1" / "actor"
+    engine.save_checkpoint(str(root), global_step=1)
+    for name in (
+        "meta.json",
+        "optim/rank_00000.pt",
+        "moe_report.json",
+        "model/dist_ckpt/hf_config.json",
+    ):
+        assert (root / name).is_file(), name
+
+    # the documented export: python -m converters mcore-to-hf <actor dir> OUT --template HF_DIR
+    out = tmp_path / "hf_export"
+    assert (
+        converters_main(
+            ["mcore-to-hf", str(root), str(out), "--template", str(tiny_hf_dir), "--no-progress"]
+        )
+        == 0
+    )
+    exported = unfuse_experts(read_state_dict(out))
+    assert exported.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor), name
+
+    fresh = make_engine()
+    fresh.load_checkpoint(str(root))
+    assert dict(fresh.get_per_tensor_param()[0]).keys() == trained.keys()
+    for name, tensor in fresh.get_per_tensor_param()[0]:
+        assert torch.equal(tensor, trained[name]), name
+    assert fresh.optim.lr == pytest.approx(engine.optim.lr)
+    state = fresh.optim.actor.optimizer.state_dict()["state"]
+    assert state and all(s["step"] == 1 for s in state.values())
+
+
+def test_checkpoint_from_another_plan_is_refused_with_one_line(make_engine, tmp_path):
+    import json
+
+    from converters.hf_io import CheckpointError
+
+    engine = make_engine()
+    root = tmp_path / "actor"
+    engine.save_checkpoint(str(root), global_step=3)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["plan"]["tp"] = 4
+    (root / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="same plan") as err:
+        engine.load_checkpoint(str(root))
+    assert "\n" not in str(err.value)
+
+
+def test_micro_batches_respect_the_padded_token_budget():
+    from recipes.dapo.batches import BatchError, plan_by_tokens, split_to
+
+    lengths = [12, 7, 15, 6, 8, 3]
+    plans = plan_by_tokens(lengths, budget=32, multiple=4)
+    assert sorted(i for p in plans for i in p) == list(range(len(lengths)))
+    for plan in plans:  # rows x longest row (rounded up to the multiple) within the budget
+        assert len(plan) * -(-max(lengths[i] for i in plan) // 4) * 4 <= 32
+    assert len(split_to(plans, len(plans) + 2)) == len(plans) + 2
+    with pytest.raises(BatchError, match="exceeds max_token_len_per_gpu=8"):
+        plan_by_tokens(lengths, budget=8, multiple=1)
+    with pytest.raises(BatchError, match="cannot make 7 micro-batches"):
+        split_to([[0], [1]], 7)
