@@ -324,3 +324,17 @@ def test_shell_script_forwards_to_the_launcher(files):
         timeout=300,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: tp*cp*pp=3")
+
+
+@pytest.mark.parametrize("device, label", [("npu", "Ascend A2"), ("cuda", "H100")])
+def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(device, label, nothing_starts, capsys):
+    rc = launch.main(["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8",
+                      "--device", device, "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"mcore_ep actor on {label} x 32" in out
+    assert "plan: tp=4 pp=1 cp=1 ep=8 etp=1 dp=8 edp=4 on 4x8=32 devices" in out
+    assert "actor update peak" in out and "KV cache" in out
+    assert "  ep        8       4  no" in out  # EP stays inside a node
+    assert "16 experts per EP rank" in out
+    assert "Qwen3-30B-A3B config assumed" in out

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class Resolved:
     run: overrides.RunSpec
+    model_fit: object  # parallel.plan.ModelFit
     groups: dict[str, dict]
     replaced: list[str]
 
@@ -75,6 +76,7 @@ class Resolved:
             "memory (parallel/ model):",
         ]
         lines += [f"  {line}" for line in run.fit.lines()]
+        lines += self._layout_and_warnings()
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
         if self.replaced:
@@ -84,6 +86,16 @@ class Resolved:
             lines += [f"  {item}" for item in overrides.to_cli({group: values})]
         lines.append("command: " + " ".join(self.command[:3]) + " <the overrides above>")
         return "\n".join(lines)
+
+
+    def _layout_and_warnings(self) -> list[str]:
+        from parallel.advice import cross_node_warnings, expert_notes
+        from parallel.layout import RankLayout
+        from parallel.report import layout_summary
+
+        layout = RankLayout(self.run.plan)
+        notes = cross_node_warnings(layout) + expert_notes(self.model_fit, overrides.MICRO_BATCH_TOKENS)
+        return [layout_summary(layout), "warnings:", *[f"  - {n}" for n in notes]]
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -130,7 +142,9 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     from parallel.plan import ParallelPlan, PlanError, check_against_model
     from recipes.dapo.fit import fit_rollout
 
-    _require(args, "model", "train_file", "val_file", "ckpt_dir")
+    # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
+    if not args.dry_run:
+        _require(args, "model", "train_file", "val_file", "ckpt_dir")
     dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in CLUSTER_PLAN.items()}
     if dims["pp"] != 1 or dims["cp"] != 1:
         raise PlanError(
@@ -141,14 +155,11 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     rollout_tp = overrides.DAPO["rollout_tp"]
     if plan.world % rollout_tp:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
-    model = check_model(args.model)
-    fit = fit_rollout(
-        check_against_model(plan, load_spec(str(model))),
-        device,
-        overrides.MICRO_BATCH_TOKENS,
-        rollout_tp,
-    )
-    check_data(args.train_file, args.val_file)
+    model = check_model(args.model) if args.model else None
+    model_fit = check_against_model(plan, load_spec(str(model) if model else None))
+    fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp)
+    if args.train_file and args.val_file:
+        check_data(args.train_file, args.val_file)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
         from converters.hf_io import shard_files
@@ -156,20 +167,20 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         shard_files(model)  # raises CheckpointError naming what is missing
         if device == "npu":
             require("torch_npu", "--device npu")
-    ckpt_dir = Path(args.ckpt_dir).expanduser()
+    ckpt_dir = Path(args.ckpt_dir or "<ckpt-dir>").expanduser()
     env = {**cluster.job_env(device, args.ifname), "TENSORBOARD_DIR": str(ckpt_dir / "tensorboard")}
     run = overrides.RunSpec(
         device,
         plan,
         fit,
-        str(model),
-        str(Path(args.train_file).expanduser()),
-        str(Path(args.val_file).expanduser()),
+        str(model or "<model: not given, Qwen3-30B-A3B config assumed>"),
+        str(Path(args.train_file or "<train-file>").expanduser()),
+        str(Path(args.val_file or "<val-file>").expanduser()),
         str(ckpt_dir),
         env,
     )
     groups, replaced = overrides.merge(overrides.build(run), extra)
-    return Resolved(run, groups, replaced)
+    return Resolved(run, model_fit, groups, replaced)
 
 
 def local_command(args, extra: list[str]) -> list[str]:
