@@ -119,7 +119,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.recompute": "true",
         f"{engine}.param_offload": "true" if a2 else "false",
         f"{engine}.optimizer_offload": "true",
-        f"{engine}.aux_loss": "{mode:observe,type:global_batch,coeff:0.001}",
+        f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001}",
         f"{engine}.monitor.enable": "true",
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
         f"{rollout}.name": "vllm",

@@ -179,8 +179,10 @@ def test_dapo_loss_and_gradients_match_transformers(
 ):
     """verl's ppo_loss (DAPO clip-higher, token-mean) through the engine = the same loss on HF.
 
-    cluster: the A2/H100 engine settings (full recompute, aux loss observed, not applied)."""
-    extra = dict(recompute=True, aux_loss=AUX_LOSS) if cluster_settings else {}
+    cluster: the A2/H100 engine settings (full recompute), the aux loss observed rather than
+    applied so that the reference is the plain DAPO loss (its gradient: tests/test_aux_loss*)."""
+    observed = {**AUX_LOSS, "mode": "observe"}
+    extra = dict(recompute=True, aux_loss=observed) if cluster_settings else {}
     engine, data = make_engine(**extra), make_batch(max_tokens=max_tokens)
     _on_policy(engine, data)
     loss_fn = partial(ppo_loss, config=dapo_actor_config())

@@ -37,7 +37,9 @@ DAPO = dict(
 # padded tokens per micro-batch per DP rank: two full-length sequences (2048 + 6144)
 MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"])
 LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
-AUX_LOSS = {"mode": "observe", "type": "global_batch", "coeff": 0.001}  # logged, not applied
+# Qwen3's own balancing (global batch), applied with an explicit coefficient, never inherited
+# from the HF config; "observe" logs it without a gradient
+AUX_LOSS = {"mode": "on", "type": "global_batch", "coeff": 0.001}
 ENGINE_MODULE = "recipes.dapo.engine"
 ACTOR = "actor_rollout_ref.actor"
 ENGINE = f"+{ACTOR}.{BACKEND}"

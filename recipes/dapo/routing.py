@@ -13,7 +13,6 @@ from contextlib import nullcontext
 import torch
 
 from backend.distributed import ProcessGroups
-from backend.optional import available
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +21,8 @@ class Routing:
     def __init__(self, module, groups: ProcessGroups, spec, aux_loss: dict, monitor: dict):
         self.tap = self.monitor = self.hook = None
         self.updates = 0
-        want_monitor = bool(monitor.get("enable")) and available("backend.monitor")
-        want_aux = aux_loss.get("mode", "off") != "off" and available("backend.aux_loss")
+        want_monitor = bool(monitor.get("enable"))
+        want_aux = aux_loss.get("mode", "off") != "off"
         if not (want_monitor or want_aux):
             logger.warning("mcore_ep: expert-load monitor and router aux loss are off")
             return
