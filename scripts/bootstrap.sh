@@ -32,4 +32,4 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-ba
 "${PIP[@]}" -e ".[dev]"
 "${PIP[@]}" --no-deps --upgrade --target "$OVERLAY" megatron-core==0.12.1
 echo "$want" > "$STAMP"
-echo "bootstrap: done ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")'))"
+echo "bootstrap: done ($("$VENV/bin/python" -W ignore -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")'))"
