@@ -107,7 +107,7 @@ def read_param_from_hf(src: HFSource, layout: Layout, row: Row, hf: tuple[str, .
                    and p.is_contiguous() and src.entries[h].dtype == layout.dtype
                    for h, p in zip(hf, parts, strict=True))
     if not in_place:
-        return combine_row(row, [src.get(h).to(layout.dtype) for h in hf], spec)
+        return combine_row(row, [src[h].to(layout.dtype) for h in hf], spec)
     for h, part in zip(hf, parts, strict=True):
         src.read_into(h, part)
     return param

@@ -6,6 +6,7 @@ fresh buffer, so resident memory is the tensors in flight, not the mapped shards
 
 import json
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def _entries(path: Path) -> dict[str, Entry]:
     return out
 
 
-class HFSource:
-    """Tensor names, shapes and dtypes of an HF checkpoint; `get` reads one tensor."""
+class HFSource(Mapping):
+    """Tensor names, shapes and dtypes of an HF checkpoint; a read-only mapping that reads
+    each tensor when it is asked for (so the name table can consume it like a state dict)."""
 
     def __init__(self, ckpt_dir: str | Path):
         self.root = Path(ckpt_dir)
@@ -87,9 +89,15 @@ class HFSource:
             raise CheckpointError(f"checkpoint mixes dtypes ({names}): pass --dtype to convert to one")
         return dtypes.pop()
 
-    def get(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor:
         entry = self.entries[name]
         return self.read_into(name, torch.empty(entry.shape, dtype=entry.dtype))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Read tensor `name` into `out` (contiguous, same shape and dtype) without a copy."""

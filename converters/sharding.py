@@ -11,7 +11,7 @@ a full mcore tensor is made of; this module says which part of it a rank holds.
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -97,31 +97,47 @@ def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec
             param.copy_(local)
 
 
-def gather_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
-                grads: bool = False) -> dict[str, torch.Tensor]:
-    """World-size-1 mcore names -> full tensors (params, or their .grad), gathered to every rank.
+def iter_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
+              grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(world-size-1 mcore name, full tensor) of this PP stage, one tensor at a time.
 
-    Collective over TP/ETP, EP and PP: every rank must call it.
+    Params (or their .grad) gathered over TP/ETP, and over EP for experts (one tensor per
+    expert). Collective: every rank of the stage iterates to the end.
     """
-    experts = expert_slice(spec, groups)
-    offsets = layer_offsets(model)
-    local: dict[str, torch.Tensor] = {}
+    offsets, ep = layer_offsets(model), groups.size("ep")
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param.detach()
         if tensor is None:
             tensor = torch.zeros_like(param)
-        key = global_name(name, offsets)
-        local[_globalise_expert(key, experts)] = unshard(tensor, name, param, groups).cpu()
-    for group in ("ep", "pp"):  # experts live on one EP rank, layers on one PP stage
-        if groups.size(group) > 1:
-            local = _merge_over(local, getattr(groups, group), groups.size(group))
-    return local
+        full, key = unshard(tensor, name, param, groups), global_name(name, offsets)
+        if ".mlp.experts." not in name:
+            yield key, full
+            continue
+        parts = [full]
+        if ep > 1:
+            parts = [torch.empty_like(full) for _ in range(ep)]
+            dist.all_gather(parts, full.contiguous(), group=groups.ep)
+        for ep_rank, part in enumerate(parts):
+            yield global_expert_name(key, ExpertSlice(spec.num_experts, ep, ep_rank)), part
+
+
+def gather_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
+                grads: bool = False) -> dict[str, torch.Tensor]:
+    """World-size-1 mcore names -> full tensors (params, or their .grad), on every rank.
+
+    Collective over TP/ETP, EP and PP: every rank must call it.
+    """
+    full = {name: tensor.cpu() for name, tensor in iter_full(model, groups, spec, grads)}
+    if groups.size("pp") > 1:  # each stage holds its own layers
+        full = _merge_over(full, groups.pp, groups.size("pp"))
+    return full
 
 
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
 
-def _globalise_expert(name: str, experts: ExpertSlice) -> str:
+def global_expert_name(name: str, experts: ExpertSlice) -> str:
+    """`...local_experts.{j}...` with the rank-local expert index made global."""
     return _EXPERT.sub(lambda m: f"{m[1]}{experts.global_index(int(m[2]))}{m[3]}", name)
 
 

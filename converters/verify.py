@@ -30,7 +30,7 @@ class HFSide:
         return list(self.src.entries)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.src.get(name)
+        return self.src[name]
 
 
 class DistSide:

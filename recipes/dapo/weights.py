@@ -11,74 +11,23 @@ Checkpoint layout under verl's `.../global_step_N/actor/` (save_checkpoint):
 """
 
 import json
-import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from backend.grads import is_expert
 from backend.hf_config import Qwen3MoeSpec
-from converters.hf_io import CheckpointError, shard_files
-from converters.qwen3_moe import ExpertSlice, expand_table, split_row
-from converters.sharding import global_name, layer_offsets, unshard
+from converters.hf_io import CheckpointError
+from converters.hf_source import HFSource
+from converters.qwen3_moe import expand_table, split_row
+from converters.sharding import iter_full
 
 FORMAT = "mcore-moe-dapo/torch_dist/1"
 MODEL_DIR = "model/dist_ckpt"  # verl's layout, which converters.dist_read finds
 HF_CONFIG = "hf_config.json"  # what converters.convert reads beside the checkpoint
-_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
-
-
-class LazyTensors(Mapping):
-    """Tensors of a safetensors checkpoint dir, read one at a time when asked (cast to dtype)."""
-
-    def __init__(self, ckpt_dir: str | Path, dtype: torch.dtype | None = None):
-        from safetensors import safe_open
-
-        self.dtype, self._open, self._file = dtype, safe_open, {}
-        for path in shard_files(ckpt_dir):
-            with safe_open(path, framework="pt") as f:
-                self._file.update(dict.fromkeys(f.keys(), path))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        with self._open(self._file[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
-        return tensor if self.dtype is None else tensor.to(self.dtype)
-
-    def __iter__(self):
-        return iter(self._file)
-
-    def __len__(self) -> int:
-        return len(self._file)
-
-
-def with_global_expert(name: str, experts: ExpertSlice) -> str:
-    return _EXPERT.sub(lambda m: f"{m[1]}{experts.global_index(int(m[2]))}{m[3]}", name)
-
-
-# ---- export: full tensors, gathered over TP/ETP and EP, one at a time ------------------
-
-
-def full_mcore_tensors(
-    module, groups: ProcessGroups, spec: Qwen3MoeSpec
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(world-size-1 mcore name, full tensor) per tensor; collective: every rank iterates all."""
-    offsets, ep = layer_offsets(module), groups.size("ep")
-    for name, param in module.named_parameters():
-        full = unshard(param.detach(), name, param, groups)
-        key = global_name(name, offsets)
-        if not is_expert(name):
-            yield key, full
-            continue
-        parts = [full]
-        if ep > 1:
-            parts = [torch.empty_like(full) for _ in range(ep)]
-            dist.all_gather(parts, full.contiguous(), group=groups.ep)
-        for ep_rank, part in enumerate(parts):
-            yield with_global_expert(key, ExpertSlice(spec.num_experts, ep, ep_rank)), part
 
 
 def hf_tensors(
@@ -86,7 +35,7 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF hub name, full tensor) per tensor, for rollout weight sync (vLLM's names)."""
     rows = {mcore: (row, hf) for row, mcore, hf in expand_table(spec)}
-    for key, tensor in full_mcore_tensors(module, groups, spec):
+    for key, tensor in iter_full(module, groups, spec):
         row, hf_names = rows[key]
         yield from zip(hf_names, split_row(row, tensor, spec), strict=True)
 
@@ -98,8 +47,7 @@ def load_hf(module, hf_dir: str | Path, spec: Qwen3MoeSpec, groups: ProcessGroup
     """HF safetensors -> this rank's parameters, reading only the tensors this rank needs."""
     from converters.sharding import load_hf_sharded
 
-    dtype = next(module.parameters()).dtype
-    load_hf_sharded(module, LazyTensors(hf_dir, dtype), spec, groups)
+    load_hf_sharded(module, HFSource(hf_dir), spec, groups)  # copy_ casts to the model's dtype
 
 
 # ---- checkpoints -----------------------------------------------------------------------
