@@ -29,6 +29,7 @@ def heatmap_figure(counts_LE, title: str) -> Figure:
     ax = fig.add_subplot()
     image = ax.imshow(share_LE, aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set(title=title, xlabel="expert (global index)", ylabel="layer")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=ax, label="share of layer's tokens")
     return fig
 
@@ -42,6 +43,7 @@ def delta_heatmap_figure(delta_LE: np.ndarray, title: str) -> Figure:
     image = ax.imshow(delta_LE, aspect="auto", interpolation="nearest", cmap="RdBu_r",
                       vmin=-bound, vmax=bound)
     ax.set(title=title, xlabel="expert (global index)", ylabel="layer")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=ax, label="share change")
     return fig
 
