@@ -29,7 +29,9 @@ def step_token_mean_nll(lp_BS, loss_mask_BS):
 
 
 def tokens_per_expert_cv(model, groups) -> float:
-    """Coefficient of variation of tokens per expert (mean over layers) on a held-out batch."""
+    """The monitor's coefficient of variation of tokens per expert (mean over layers), held-out batch."""
+    from backend.monitor.metrics import cv_L
+
     tap = RouterTap(model, groups)
     counts = {}
     tap.add_listener(
@@ -38,7 +40,8 @@ def tokens_per_expert_cv(model, groups) -> float:
     with torch.no_grad():
         next_token_log_probs(model, skewed_batch(seed=999)[0])
     tap.remove()
-    return sum((c.std(correction=0) / c.mean()).item() for c in counts.values()) / len(counts)
+    counts_LE = torch.stack([counts[layer] for layer in sorted(counts)])
+    return cv_L(counts_LE).mean().item()
 
 
 def train(groups, hf_dir, cfg: AuxLossConfig) -> tuple[float, dict]:
