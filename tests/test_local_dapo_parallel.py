@@ -8,28 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import test_local_dapo
+
 REPO = Path(__file__).resolve().parents[1]
-SMALL = [
-    "--steps",
-    "3",
-    "--save-freq",
-    "2",
-    "--n",
-    "4",
-    "--gen-prompts",
-    "8",
-    "--train-prompts",
-    "4",
-    "--mini-prompts",
-    "2",
-    "--micro-size",
-    "8",
-    "--max-num-gen-batches",
-    "2",
-    "--filter-metric",
-    "seq_final_reward",
-    "--no-progress",
-]
+SMALL = ["--steps", "3", "--save-freq", "2", *test_local_dapo.SMALL]
 # sampled tokens and token counts are discrete: equal; losses and norms: up to reduction order
 EXACT = (
     "rollout/reward_mean",

@@ -290,12 +290,7 @@ def test_no_accelerator_runs_the_local_recipe(monkeypatch, nothing_starts, capsy
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     assert launch.main(["--steps", "3", "--seed", "1"]) == 0
     (cmd,) = nothing_starts
-    module = (
-        "recipes.local.dapo"
-        if launch.importlib.util.find_spec("recipes.local.dapo")
-        else "recipes.local.smoke"
-    )
-    assert cmd[1:] == ["-m", module, "--steps", "3", "--seed", "1"]
+    assert cmd[1:] == ["-m", "recipes.local.dapo", "--steps", "3", "--seed", "1"]
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
 
 

@@ -9,7 +9,6 @@ Everything after `--` passes through as verl overrides (or local-run flags).
 """
 
 import argparse
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +183,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
 
 
 def local_command(args, extra: list[str]) -> list[str]:
-    """The embedded CPU run: recipes.local.dapo when present, else recipes.local.smoke."""
+    """The embedded CPU run: recipes.local.dapo with the flags it shares with the cluster run."""
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]
     if given:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
@@ -192,29 +191,10 @@ def local_command(args, extra: list[str]) -> list[str]:
             f"{flags} configure a cluster run: add --device npu or cuda "
             "(this machine has no accelerator; the local run uses the tiny model)"
         )
-    if importlib.util.find_spec("recipes.local.dapo"):
-        module, flags = (
-            "recipes.local.dapo",
-            {
-                "--tp": args.tp,
-                "--ep": args.ep,
-                "--steps": args.steps,
-                "--seed": args.seed,
-                "--out": args.ckpt_dir,
-            },
-        )
-        switches = ["--resume"] if args.resume else []
-    else:
-        if (args.tp or 1) > 1 or (args.ep or 1) > 1 or args.resume:
-            raise LaunchError(
-                "recipes.local.dapo is not in this checkout; its stand-in recipes.local.smoke "
-                "runs tp=1 ep=1 without --resume: drop --tp/--ep/--resume"
-            )
-        module, flags, switches = (
-            "recipes.local.smoke",
-            {"--steps": args.steps, "--seed": args.seed, "--out": args.ckpt_dir},
-            [],
-        )
+    module = "recipes.local.dapo"
+    flags = {"--tp": args.tp, "--ep": args.ep, "--steps": args.steps, "--seed": args.seed,
+             "--out": args.ckpt_dir}
+    switches = ["--resume"] if args.resume else []
     cmd = [sys.executable, "-m", module]
     for flag, value in flags.items():
         if value is not None:
