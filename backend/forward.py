@@ -25,8 +25,11 @@ def token_log_probs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    # mcore works in [S, B] order and overwrites its input in place: hand it an fp32 copy
-    logits_SBV = logits_BSV.transpose(0, 1).to(torch.float32, copy=True).contiguous()
+    # mcore works in [S, B] order and overwrites its input in place: hand it exactly one
+    # fp32 copy (transpose, cast and ownership in a single differentiable copy_)
+    b, s, v = logits_BSV.shape
+    logits_SBV = logits_BSV.new_empty((s, b, v), dtype=torch.float32)
+    logits_SBV.copy_(logits_BSV.transpose(0, 1))
     nll_SB = vocab_parallel_cross_entropy(logits_SBV, labels_BS.t().contiguous())
     return -nll_SB.t()
 
