@@ -11,11 +11,19 @@ def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
+def attention_mask_for(input_ids_BS: torch.Tensor) -> torch.Tensor | None:
+    """None on CUDA: megatron's attention and ours (SDPA, flash kernels) then apply causality
+    themselves without an [s, s] mask; elsewhere the explicit causal mask."""
+    if input_ids_BS.device.type == "cuda":
+        return None
+    return causal_mask(input_ids_BS.shape[1], input_ids_BS.device)
+
+
 def forward_logits(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input."""
     b, s = input_ids_BS.shape
     position_ids_BS = torch.arange(s, device=input_ids_BS.device).expand(b, s)
-    return model(input_ids_BS, position_ids_BS, causal_mask(s, input_ids_BS.device))
+    return model(input_ids_BS, position_ids_BS, attention_mask_for(input_ids_BS))
 
 
 def token_log_probs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ logits and softmaxes over them, which is the same renormalised distribution;
 pre_softmax=True (softmax then top-k, no renormalisation) is norm_topk_prob=False.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,12 @@ class BuildOptions:
     spec: str = "auto"
     # mcore's alltoall dispatcher creates CUDA streams; allgather is the CPU choice
     dispatcher: str | None = None
+    # local spec only: "grouped" (backend.experts) / "sequential" (mcore's SequentialMLP) experts,
+    # "sdpa" (backend.attention) / "local" (mcore's unfused DotProductAttention) attention;
+    # "auto" = the fast modules on accelerators, megatron-core's own on CPU (the reference path)
+    experts: str = "auto"
+    attention: str = "auto"
+    grouped_gemm: str = "auto"  # backend.grouped_gemm kernel: auto | grouped_mm | npu | loop
     recompute: bool = False
     init_method_std: float = 0.02
     # False skips random init (weights are loaded anyway; 80% of a meta build's time)
@@ -39,6 +45,21 @@ class BuildOptions:
 
     def resolved_dispatcher(self) -> str:
         return self.dispatcher or ("allgather" if self.device == "cpu" else "alltoall")
+
+    def resolved_experts(self) -> str:
+        return _choose("experts", self.experts, ("grouped", "sequential"), self.device)
+
+    def resolved_attention(self) -> str:
+        return _choose("attention", self.attention, ("sdpa", "local"), self.device)
+
+
+def _choose(what: str, value: str, choices: tuple[str, str], device: str) -> str:
+    """'auto' -> choices[0] (fast) on accelerators, choices[1] (megatron-core's) on CPU."""
+    if value == "auto":
+        return choices[1] if device == "cpu" else choices[0]
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose auto, {choices[0]} or {choices[1]}")
+    return value
 
 
 def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions):
@@ -97,17 +118,39 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
     )
 
 
-def layer_spec(num_experts: int, kind: str):
-    """Layer spec: TransformerEngine modules ('te') or megatron-core's own ('local')."""
+def layer_spec(num_experts: int, kind: str, opts: "BuildOptions | None" = None,
+               groups: ProcessGroups | None = None):
+    """Layer spec: TransformerEngine modules ('te') or megatron-core's local ones ('local'),
+    the latter with our grouped experts / SDPA attention swapped in as `opts` asks."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if kind == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=True
         )
-    return specs.get_gpt_layer_local_spec(
+    spec = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
+    return _with_fast_modules(spec, opts or BuildOptions(), groups)
+
+
+def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups | None):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from backend.attention import SDPAttention
+    from backend.experts import GroupedExperts
+
+    layer = spec.submodules
+    if opts.resolved_attention() == "sdpa":
+        attention = replace(layer.self_attention.submodules, core_attention=SDPAttention)
+        layer = replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
+    if opts.resolved_experts() == "grouped":
+        if groups is None:
+            raise ValueError("grouped experts need the process groups: pass groups to layer_spec")
+        experts = ModuleSpec(module=GroupedExperts, params={"groups": groups, "gemm": opts.grouped_gemm})
+        moe = replace(layer.mlp.submodules, experts=experts)
+        layer = replace(layer, mlp=replace(layer.mlp, submodules=moe))
+    return replace(spec, submodules=layer)
 
 
 def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | None = None):
@@ -120,7 +163,7 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
     pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.num_experts, opts.resolved_spec()),
+        transformer_layer_spec=layer_spec(spec.num_experts, opts.resolved_spec(), opts, groups),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pp_rank == 0,

@@ -235,8 +235,10 @@ def mcore_to_hf(
 def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec: Qwen3MoeSpec,
                        experts: ExpertSlice | None = None) -> None:
     """Copy HF weights into an mcore model in place; every parameter must be covered, shapes must agree."""
+    from converters.sharding import expanded_parameters
+
     converted = hf_to_mcore(hf, spec, experts)
-    params = dict(model.named_parameters())
+    params = {name: param for name, param, _ in expanded_parameters(model)}
     uncovered = sorted(set(params) - set(converted))
     if uncovered:
         raise _missing(uncovered, "model parameters with no HF source", "is the model built from the same config?")
@@ -253,6 +255,8 @@ def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], s
 
 def model_to_hf(model: torch.nn.Module, spec: Qwen3MoeSpec, fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """HF state dict of an mcore model's parameters (world size 1)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    from converters.sharding import expanded_parameters
+
+    params = {name: value for name, _, value in expanded_parameters(model)}
     return mcore_to_hf(params, spec, fused_experts)
 

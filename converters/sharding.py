@@ -8,6 +8,8 @@ a full mcore tensor is made of; this module says which part of it a rank holds.
 - QKV needs no special case: fused per query group, a contiguous slice is whole groups.
 - EP: local expert j is global expert ep_rank * E/ep + j (converters.qwen3_moe.ExpertSlice).
 - PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
+- Grouped experts (backend.experts) are walked per expert under SequentialMLP's names
+  (`expanded_parameters`), so one table serves both expert modules.
 """
 
 import re
@@ -21,6 +23,23 @@ from backend.hf_config import Qwen3MoeSpec
 from converters.qwen3_moe import ExpertSlice, MappingError, hf_to_mcore
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def expanded_parameters(model: torch.nn.Module, grads: bool = False) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, parameter, value) like named_parameters, with grouped experts split per expert.
+
+    value is the parameter's data, or its gradient (zeros where none) with grads=True. Modules
+    holding stacked experts (backend.experts.GroupedExperts) name and slice them through their
+    `expert_slices`: SequentialMLP's names, per-expert views carrying its TP attributes.
+    """
+    stacked = {name: m for name, m in model.named_modules() if hasattr(m, "expert_slices")}
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        value = param.detach() if not grads else param.grad if param.grad is not None else torch.zeros_like(param)
+        if owner in stacked:
+            yield from stacked[owner].expert_slices(owner + ".", leaf, value)
+        else:
+            yield name, param, value
 
 
 def expert_slice(spec: Qwen3MoeSpec, groups: ProcessGroups) -> ExpertSlice:
@@ -84,7 +103,7 @@ def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec
     full = hf_to_mcore(hf, spec, expert_slice(spec, groups))
     offsets = layer_offsets(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param, _ in expanded_parameters(model):
             key = global_name(name, offsets)
             if key not in full:
                 raise MappingError(f"model parameter {name} has no HF source: is the model built from the same config?")
@@ -105,10 +124,7 @@ def iter_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
     expert). Collective: every rank of the stage iterates to the end.
     """
     offsets, ep = layer_offsets(model), groups.size("ep")
-    for name, param in model.named_parameters():
-        tensor = param.grad if grads else param.detach()
-        if tensor is None:
-            tensor = torch.zeros_like(param)
+    for name, param, tensor in expanded_parameters(model, grads):
         full, key = unshard(tensor, name, param, groups), global_name(name, offsets)
         if ".mlp.experts." not in name:
             yield key, full

@@ -47,21 +47,24 @@ def _pipeline_forward_backward(model, groups, ids, loss_fn):
     return logits
 
 
-def run_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1) -> dict:
-    """Load the tiny HF model at this plan, run the global batch, return loss/logits/grads."""
+def run_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1, fast: bool = False) -> dict:
+    """Load the tiny HF model at this plan, run the global batch, return loss/logits/grads.
+
+    fast: our GroupedExperts + SDPAttention instead of megatron-core's local modules."""
     from backend.device import prepare_device
 
     device = prepare_device("cpu")
     from backend.distributed import init_parallel
     from backend.forward import token_log_probs
     from backend.hf_config import load_qwen3_moe_spec
-    from backend.model import build_model
+    from backend.model import BuildOptions, build_model
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
 
     groups = init_parallel(device, tp=tp, ep=ep, pp=pp, etp=etp)
     spec = load_qwen3_moe_spec(hf_dir)
-    model = build_model(spec, groups)
+    modules = dict(experts="grouped", attention="sdpa") if fast else {}
+    model = build_model(spec, groups, BuildOptions(**modules))
     load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
 
     dp, dp_rank = groups.size("dp"), groups.rank("dp")

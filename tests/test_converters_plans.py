@@ -1,6 +1,7 @@
 """The converted checkpoint at TP2 / EP2 / PP2 / TP2xEP2 (gloo processes): megatron-core loads
 it into the sharded model (logits match transformers), saves it back at that plan, and
-mcore-to-hf turns each of those back into the original HF tensors bit for bit."""
+mcore-to-hf turns each of those back into the original HF tensors bit for bit. With our
+GroupedExperts + SDPAttention too: the checkpoints interchange with SequentialMLP's."""
 
 
 import pytest
@@ -18,7 +19,7 @@ PLANS = {"tp2": (2, 1, 1, 2), "ep2": (1, 2, 1, 1), "pp2": (1, 1, 2, 1), "tp2xep2
 WORLD = 4
 
 
-def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.Tensor) -> dict:
+def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.Tensor, fast: bool) -> dict:
     """At every plan: load the converted checkpoint, run the batch, save back at that plan."""
     from pathlib import Path
 
@@ -32,13 +33,14 @@ def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.T
     from backend.distributed import init_parallel
     from backend.forward import forward_logits
     from backend.hf_config import load_qwen3_moe_spec
-    from backend.model import build_model
+    from backend.model import BuildOptions, build_model
     from tests.parallel_ranks import _gather_vocab
 
     spec, logits = load_qwen3_moe_spec(hf_dir), {}
+    opts = BuildOptions(experts="grouped", attention="sdpa") if fast else BuildOptions()
     for name, (tp, ep, pp, etp) in PLANS.items():
         groups = init_parallel(device, tp=tp, ep=ep, pp=pp, etp=etp)
-        model = build_model(spec, groups)
+        model = build_model(spec, groups, opts)
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
         if pp == 1:
             with torch.no_grad():
@@ -52,10 +54,11 @@ def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.T
     return logits
 
 
-def test_plans_load_the_checkpoint_and_save_back_bit_exact(tiny_hf_dir, tiny_hf_model, tmp_path):
+@pytest.mark.parametrize("fast", [False, True], ids=["mcore-local", "grouped-sdpa"])
+def test_plans_load_the_checkpoint_and_save_back_bit_exact(tiny_hf_dir, tiny_hf_model, tmp_path, fast):
     ckpt = convert_hf_to_mcore(tiny_hf_dir, tmp_path / "mcore")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
-    results = run_ranks(load_run_save, WORLD, str(tiny_hf_dir), str(ckpt), str(tmp_path), ids)
+    results = run_ranks(load_run_save, WORLD, str(tiny_hf_dir), str(ckpt), str(tmp_path), ids, fast)
     with torch.no_grad():
         reference = tiny_hf_model(ids).logits
     original = read_state_dict(tiny_hf_dir)

@@ -30,18 +30,20 @@ def reference(world1, tiny_hf_dir):
 
 
 @pytest.mark.parametrize(
-    "world, tp, ep, pp, etp",
-    # tp2xep2 on 4 ranks: attention tp2 x dp2, experts ep2 x edp2 (MoE parallel folding)
-    [(2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (2, 1, 2, 1, 1), (2, 1, 1, 2, 1), (4, 2, 2, 1, 1)],
-    ids=["tp2", "tp2-etp2", "ep2", "pp2", "tp2xep2"],
+    "world, tp, ep, pp, etp, fast",
+    # tp2xep2 on 4 ranks: attention tp2 x dp2, experts ep2 x edp2 (MoE parallel folding);
+    # "fast": GroupedExperts + SDPAttention against the same world-1 reference
+    [(2, 2, 1, 1, 1, False), (2, 2, 1, 1, 2, False), (2, 1, 2, 1, 1, False), (2, 1, 1, 2, 1, False),
+     (4, 2, 2, 1, 1, False), (2, 2, 1, 1, 2, True), (2, 1, 2, 1, 1, True), (4, 2, 2, 1, 1, True)],
+    ids=["tp2", "tp2-etp2", "ep2", "pp2", "tp2xep2", "fast-tp2-etp2", "fast-ep2", "fast-tp2xep2"],
 )
-def test_plan_matches_world1(reference, tiny_hf_dir, world, tp, ep, pp, etp):
+def test_plan_matches_world1(reference, tiny_hf_dir, world, tp, ep, pp, etp, fast):
     ref_loss, ref_logits, ref_grads = reference
     if mcore_version() < Version("0.13") and (tp, ep, etp) == (2, 1, 1):
         with pytest.raises(AssertionError, match="cannot run tp=2 with ep=1 and etp=1"):
             run_ranks(run_plan, world, str(tiny_hf_dir), tp, ep, pp, etp)
         return
-    results = run_ranks(run_plan, world, str(tiny_hf_dir), tp, ep, pp, etp)
+    results = run_ranks(run_plan, world, str(tiny_hf_dir), tp, ep, pp, etp, fast)
     last = [r for r in results if r["last_stage"]]
     by_dp = {r["dp_rank"]: r["logits"] for r in last}  # TP peers hold the same rows
     logits = torch.cat([by_dp[d] for d in sorted(by_dp)])

@@ -1,22 +1,33 @@
-"""megatron-core Qwen3-MoE vs transformers' Qwen3MoeForCausalLM on the same weights (fp32)."""
+"""megatron-core Qwen3-MoE vs transformers' Qwen3MoeForCausalLM on the same weights (fp32).
+
+Both module sets: megatron-core's local ones (SequentialMLP, DotProductAttention) and ours
+(GroupedExperts with the loop and the grouped_mm kernels, SDPAttention)."""
 
 import pytest
 import torch
 
 from backend.forward import forward_logits, next_token_log_probs
 from backend.hf_config import load_qwen3_moe_spec
-from backend.model import build_model
+from backend.model import BuildOptions, build_model
 from converters.hf_io import read_state_dict
 from converters.qwen3_moe import load_hf_into_model, mcore_to_hf, unfuse_experts
+from converters.sharding import expanded_parameters
 
 pytestmark = pytest.mark.mcore_compat
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def mcore_model(world1, tiny_hf_dir):
+MODULES = {
+    "mcore-local": BuildOptions(experts="sequential", attention="local"),
+    "grouped-loop-sdpa": BuildOptions(experts="grouped", attention="sdpa", grouped_gemm="loop"),
+    "grouped_mm-sdpa": BuildOptions(experts="grouped", attention="sdpa", grouped_gemm="grouped_mm"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
+def mcore_model(request, world1, tiny_hf_dir):
     spec = load_qwen3_moe_spec(tiny_hf_dir)
-    model = build_model(spec, world1)
+    model = build_model(spec, world1, MODULES[request.param])
     load_hf_into_model(model, read_state_dict(tiny_hf_dir), spec)  # per-expert keys from disk
     return model.eval()
 
@@ -56,7 +67,7 @@ def test_gradients_match_transformers(mcore_model, tiny_hf_model, batch, tiny_hf
     # the same loss on both: token-mean negative log-likelihood
     (-next_token_log_probs(mcore_model, batch).mean()).backward()
     (-_hf_log_probs(tiny_hf_model, batch).mean()).backward()
-    ours = mcore_to_hf({n: p.grad for n, p in mcore_model.named_parameters()}, spec)
+    ours = mcore_to_hf({n: g for n, _, g in expanded_parameters(mcore_model, grads=True)}, spec)
     ref = unfuse_experts({n: p.grad for n, p in tiny_hf_model.named_parameters()})
     assert ours.keys() == ref.keys()
     worst = max(((ours[n] - ref[n]).abs().max().item(), n) for n in ours)

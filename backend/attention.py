@@ -1,0 +1,51 @@
+"""Core attention through torch's scaled_dot_product_attention, without TransformerEngine.
+
+`SDPAttention` replaces megatron-core's DotProductAttention (`core_attention` in the layer
+spec). megatron's local attention materialises the [b, heads, s, s] scores in fp32 and
+repeats K/V per query group; SDPA dispatches to flash / memory-efficient kernels that never
+hold the score matrix, and reads grouped K/V directly (enable_gqa).
+
+Masks follow megatron's convention (bool, True = blocked). With no mask and a causal layer
+(what GPU callers pass) SDPA runs `is_causal`, the flash path; an explicit mask (what the CPU
+path passes, and any padding mask) goes to SDPA as its complement.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPAttention(MegatronModule):
+    """query [sq, b, heads, d], key/value [sk, b, groups, d] -> [sq, b, heads * d]."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SDPAttention does not split sequences over context parallel ranks: "
+                             "use cp=1, or TransformerEngine's attention (spec='te')")
+        self.attn_mask_type = attn_mask_type
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is fp16-only and not supported by SDPAttention")
+        self.softmax_scale = scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention takes padded [s, b] batches without attention bias: "
+                             "unpack the sequences (remove-padding off) or use the TE spec")
+        mask_type = attn_mask_type or self.attn_mask_type
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        keep = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
