@@ -26,8 +26,9 @@ class BuildOptions:
     # mcore's alltoall dispatcher creates CUDA streams; allgather is the CPU choice
     dispatcher: str | None = None
     # local spec only: "grouped" (backend.experts) / "sequential" (mcore's SequentialMLP) experts,
-    # "sdpa" (backend.attention) / "local" (mcore's unfused DotProductAttention) attention;
-    # "auto" = the fast modules on accelerators, megatron-core's own on CPU (the reference path)
+    # "sdpa" (backend.attention) / "local" (mcore's DotProductAttention) attention. "auto":
+    # grouped experts on cuda and npu (grouped GEMM kernels), SDPA on cuda (flash kernels; on
+    # npu MindSpeed patches megatron's own attention); megatron-core's modules on CPU
     experts: str = "auto"
     attention: str = "auto"
     grouped_gemm: str = "auto"  # backend.grouped_gemm kernel: auto | grouped_mm | npu | loop
@@ -47,16 +48,16 @@ class BuildOptions:
         return self.dispatcher or ("allgather" if self.device == "cpu" else "alltoall")
 
     def resolved_experts(self) -> str:
-        return _choose("experts", self.experts, ("grouped", "sequential"), self.device)
+        return _choose("experts", self.experts, ("grouped", "sequential"), self.device in ("cuda", "npu"))
 
     def resolved_attention(self) -> str:
-        return _choose("attention", self.attention, ("sdpa", "local"), self.device)
+        return _choose("attention", self.attention, ("sdpa", "local"), self.device == "cuda")
 
 
-def _choose(what: str, value: str, choices: tuple[str, str], device: str) -> str:
-    """'auto' -> choices[0] (fast) on accelerators, choices[1] (megatron-core's) on CPU."""
+def _choose(what: str, value: str, choices: tuple[str, str], fast: bool) -> str:
+    """'auto' -> choices[0] (ours) where `fast`, else choices[1] (megatron-core's)."""
     if value == "auto":
-        return choices[1] if device == "cpu" else choices[0]
+        return choices[0] if fast else choices[1]
     if value not in choices:
         raise ValueError(f"unknown {what} {value!r}: choose auto, {choices[0]} or {choices[1]}")
     return value

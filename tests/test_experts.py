@@ -72,8 +72,9 @@ def test_default_modules_by_device(world1, spec):
     layer = build_model(spec, world1, FAST).decoder.layers[0]
     assert isinstance(layer.mlp.experts, GroupedExperts)
     assert isinstance(layer.self_attention.core_attention, SDPAttention)
-    assert BuildOptions(device="cuda").resolved_experts() == "grouped"
-    assert BuildOptions(device="npu").resolved_attention() == "sdpa"
+    cuda, npu = BuildOptions(device="cuda"), BuildOptions(device="npu")
+    assert (cuda.resolved_experts(), cuda.resolved_attention()) == ("grouped", "sdpa")
+    assert (npu.resolved_experts(), npu.resolved_attention()) == ("grouped", "local")
 
 
 def test_outputs_and_gradients_match_megatron_modules(pair, spec):

@@ -18,12 +18,13 @@ from backend.hf_config import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.qwen3_moe import mcore_to_hf, unfuse_experts
 from converters.sharding import gather_full
+from recipes.dapo import weights
 from recipes.dapo.overrides import AUX_LOSS
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 
 
-def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False):
+def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False):
     """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -41,6 +42,8 @@ def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False):
             expert_model_parallel_size=ep,
             aux_loss=aux_loss or {"mode": "off"},
             recompute=recompute,
+            # the accelerators' modules: GroupedExperts + SDPAttention
+            **(dict(experts="grouped", attention="sdpa") if fast else {}),
         ),
         optimizer_config=FSDPOptimizerConfig(
             lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
@@ -171,8 +174,8 @@ def _engine_grads(engine, data, loss_fn):
 
 @pytest.mark.parametrize(
     "max_tokens, cluster_settings",
-    [(16, False), (64, False), (16, True)],
-    ids=["mb16", "mb64", "cluster"],
+    [(16, False), (64, False), (16, True), (16, "fast")],
+    ids=["mb16", "mb64", "cluster", "fast-modules"],
 )
 def test_dapo_loss_and_gradients_match_transformers(
     make_engine, tiny_hf_model, max_tokens, cluster_settings
@@ -182,7 +185,7 @@ def test_dapo_loss_and_gradients_match_transformers(
     cluster: the A2/H100 engine settings (full recompute), the aux loss observed rather than
     applied so that the reference is the plain DAPO loss (its gradient: tests/test_aux_loss*)."""
     observed = {**AUX_LOSS, "mode": "observe"}
-    extra = dict(recompute=True, aux_loss=observed) if cluster_settings else {}
+    extra = {True: dict(recompute=True, aux_loss=observed), False: {}, "fast": dict(fast=True)}[cluster_settings]
     engine, data = make_engine(**extra), make_batch(max_tokens=max_tokens)
     _on_policy(engine, data)
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
@@ -236,10 +239,11 @@ def test_per_tensor_param_streams_the_hf_checkpoint(make_engine, tiny_hf_dir):
         assert torch.equal(ours[name], tensor), name
 
 
-def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_hf_dir, tmp_path):
+@pytest.mark.parametrize("fast", [False, True], ids=["mcore-local", "grouped-sdpa"])
+def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_hf_dir, tmp_path, fast):
     from converters.cli import main as converters_main
 
-    engine, data = make_engine(), make_batch()
+    engine, data = make_engine(fast=fast), make_batch()
     _on_policy(engine, data)
     with engine.train_mode():
         engine.train_batch(data, loss_function=partial(ppo_loss, config=dapo_actor_config()))
@@ -268,7 +272,7 @@ def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_h
     for name, tensor in trained.items():
         assert torch.equal(exported[name], tensor), name
 
-    fresh = make_engine()
+    fresh = make_engine(fast=fast)
     fresh.load_checkpoint(str(root))
     assert dict(fresh.get_per_tensor_param()[0]).keys() == trained.keys()
     for name, tensor in fresh.get_per_tensor_param()[0]:
@@ -276,6 +280,15 @@ def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_h
     assert fresh.optim.lr == pytest.approx(engine.optim.lr)
     state = fresh.optim.actor.optimizer.state_dict()["state"]
     assert state and all(s["step"] == 1 for s in state.values())
+
+    # the other expert module: the weights load, its optimizer state is refused in one line
+    other = make_engine(fast=not fast)
+    with pytest.raises(weights.CheckpointError, match="experts setting") as err:
+        other.load_checkpoint(str(root))
+    assert "\n" not in str(err.value)
+    weights.load_model(other.module, root / weights.MODEL_DIR)
+    for name, tensor in other.get_per_tensor_param()[0]:
+        assert torch.equal(tensor, trained[name]), name
 
 
 def test_checkpoint_from_another_plan_is_refused_with_one_line(make_engine, tmp_path):

@@ -24,7 +24,8 @@ class McoreEpEngineConfig(EngineConfig):
     """Parallel plan and actor options of the mcore_ep engine.
 
     Parallel sizes use verl's megatron spellings. recompute: full activation recompute, one
-    layer per checkpoint. aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
+    layer per checkpoint. experts / attention: backend.model.BuildOptions' choices ("auto": our
+    grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
     z_coeff, scope). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
     """
 
@@ -35,6 +36,8 @@ class McoreEpEngineConfig(EngineConfig):
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     recompute: bool = False
+    experts: str = "auto"
+    attention: str = "auto"
     aux_loss: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
     monitor: dict[str, Any] = field(default_factory=lambda: {"enable": True, "log_dir": None})
     checkpoint_shard_gb: float = 4.0

@@ -5,7 +5,7 @@ every worker through `actor_rollout_ref.model.external_lib=recipes.dapo.engine`)
 BaseEngine calls verl's workers make map onto our code:
 
   __init__            prepare_device + init_parallel (megatron-core groups: tp, ep, etp, dp)
-  initialize          build_model (local layer spec) -> HF weights through converters.sharding
+  initialize          build_model (local spec, grouped experts / SDPA) -> HF weights through converters.sharding
                       (each rank reads only its tensors) -> router instruments -> optimizer
   train_mode/eval_mode  verl's offload context + model.train()/eval()
   forward_backward_batch  nested batch -> padded micro-batches (recipes.dapo.batches) ->
@@ -79,7 +79,7 @@ class McoreEpEngine(BaseEngine):
             )
         self.spec = load_qwen3_moe_spec(model_config.local_path)
         self.mode = None
-        self.module = self.model = self.optim = self.routing = None
+        self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
 
     # ---- setup -----------------------------------------------------------------------
@@ -95,9 +95,12 @@ class McoreEpEngine(BaseEngine):
 
         c = self.engine_config
         dtype = torch.float32 if self.device == "cpu" else getattr(torch, c.dtype)
-        # local spec: the converters' name table covers it (TE names are not mapped yet)
-        opts = BuildOptions(device=self.device, dtype=dtype, spec="local", recompute=c.recompute)
+        # local spec (the converters' name table covers it; TE names are not mapped yet) with
+        # our grouped-GEMM experts / SDPA attention where BuildOptions picks them
+        opts = BuildOptions(device=self.device, dtype=dtype, spec="local", recompute=c.recompute,
+                            experts=c.experts, attention=c.attention)
         self.module = build_model(self.spec, self.groups, opts)
+        self.experts = opts.resolved_experts()
         weights.load_hf(self.module, self.model_config.local_path, self.spec, self.groups)
         self.routing = Routing(
             self.module, self.groups, self.spec, dict(c.aux_loss), dict(c.monitor)
@@ -280,7 +283,7 @@ class McoreEpEngine(BaseEngine):
         config_json = Path(self.model_config.local_hf_config_path) / "config.json"
         weights.save_model(self.module, root / weights.MODEL_DIR, config_json, self.device)
         if rank == 0:
-            weights.save_meta(root, global_step, self.plan)
+            weights.save_meta(root, global_step, self.plan, self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
         if self.optim and "optimizer" in contents:
             weights.optim_path(root, rank).parent.mkdir(parents=True, exist_ok=True)
@@ -297,11 +300,13 @@ class McoreEpEngine(BaseEngine):
         meta = weights.read_meta(root)
         contents = set(self.checkpoint_config.get("load_contents", ["model", "optimizer", "extra"]))
         with_optim = self.optim is not None and "optimizer" in contents
-        if with_optim and meta["plan"] != self.plan:
+        saved = (meta["plan"], meta.get("experts", "sequential"))
+        if with_optim and saved != (self.plan, self.experts):
             raise weights.CheckpointError(
-                f"{root} holds optimizer state for plan {meta['plan']}, this run is {self.plan}: "
-                "resume with the same plan, or export its weights (python -m converters "
-                "mcore-to-hf) and start from them"
+                f"{root} holds optimizer state for plan {saved[0]} with {saved[1]} experts, this "
+                f"run is {self.plan} with {self.experts} experts: resume with the same plan and "
+                "experts setting, or export its weights (python -m converters mcore-to-hf) and "
+                "start from them"
             )
         if self.is_param_offload_enabled:
             self.to(self.device, model=True, optimizer=False, grad=False)

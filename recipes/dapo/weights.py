@@ -76,10 +76,10 @@ def load_model(module, ckpt: Path) -> None:
     module.load_state_dict(state)
 
 
-def save_meta(root: Path, global_step: int, plan: dict[str, int]) -> None:
-    (root / "meta.json").write_text(
-        json.dumps({"format": FORMAT, "global_step": global_step, "plan": plan}, indent=1)
-    )
+def save_meta(root: Path, global_step: int, plan: dict[str, int], experts: str) -> None:
+    """experts: the module the optimizer state belongs to (model weights load into either)."""
+    body = {"format": FORMAT, "global_step": global_step, "plan": plan, "experts": experts}
+    (root / "meta.json").write_text(json.dumps(body, indent=1))
 
 
 def read_meta(root: Path) -> dict:
