@@ -1,0 +1,494 @@
+"""Time one training step (forward + backward) of Qwen3-30B-A3B-shaped MoE layers on one device.
+
+All systems run in one process, one after another, on the same shape; a system that fails
+(not built yet, out of memory, no kernel for this device) has its error recorded in the JSON
+and the run goes on:
+- ours: backend.model.build_model with spec "local", our grouped-GEMM experts and SDPA core
+  attention (BuildOptions experts="grouped", attention="sdpa"),
+- mcore-local: the same builder with megatron-core's SequentialMLP experts and its unfused
+  DotProductAttention (experts="sequential", attention="local"; plain spec="local" on a
+  BuildOptions without those fields, which builds the same modules),
+- hf-grouped_mm: transformers' Qwen3MoeForCausalLM, grouped_mm experts, SDPA attention,
+- hf-eager: the same with transformers' eager per-expert loop.
+
+    .venv/bin/python scripts/bench/step_bench.py --preset 4L --out step_4L.json
+    .venv/bin/python scripts/bench/step_bench.py --preset 12L --systems ours,hf-grouped_mm
+    .venv/bin/python scripts/bench/step_bench.py --preset tiny --breakdown    # CPU, seconds
+
+Presets (Qwen3-30B-A3B layers: hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8 with
+norm_topk_prob, expert ffn 768, vocab 151936, untied lm_head): 4L = 4 layers, 2 x 4096
+tokens; 12L = 12 layers, 1 x 4096; tiny = 2 layers, hidden 64, 4 / 2 heads of 16, 8 experts
+top-2, ffn 32, vocab 1000, 2 x 64 tokens. --layers / --batch / --seq override the preset.
+bf16 on GPU, fp32 on CPU (--dtype overrides).
+
+One step: random token ids; mcore: forward_logits -> token_log_probs(logits[:, :-1],
+ids[:, 1:]) -> loss = -mean -> backward; HF: model(input_ids=ids, labels=ids).loss.backward()
+(the same next-token loss). Gradients are set to None before each step; no optimizer.
+Weights: each library's own random init, normal with std 0.02 (megatron's init_method_std,
+HF's initializer_range; megatron also scales output projections by 1/sqrt(2 * layers); norms
+are ones). Values therefore differ between systems; shapes, FLOPs and the near-uniform expert
+load of random routers do not.
+
+Per system: ms per step (mean of --iters steps after --warmup, each followed by a device
+synchronise; median / min / max / std too), tokens/s, model TFLOP/s and MFU against
+--peak-tflops (default 989, H100/H200 dense bf16 datasheet; no MFU on CPU unless given),
+peak device memory (torch.cuda.max_memory_allocated over warm-up and timed steps, reset after
+the build so the weights are included; None on CPU), and `vs_hf_grouped_mm`: speedup
+(hf-grouped_mm's ms / this system's ms) and peak-memory ratio against hf-grouped_mm measured
+in the same run.
+
+Model FLOPs per step (matmuls only, forward + backward = 3 x forward = 6 x MACs):
+    6 * tokens * (layers * (q, k, v, o projections + top_k experts * 3 GEMMs + router) + H * V)
+  + 6 * tokens * layers * heads * head_dim * seq      (q k^T and p v, halved for causality)
+
+--breakdown (mcore systems): one more step under torch.profiler. Forward pre/post hooks on
+the modules open and close a record_function range per phase:
+    attention_core  self_attention.core_attention
+    attention_proj  self_attention.linear_qkv, linear_proj
+    router          mlp.router
+    experts         mlp.experts
+    moe_dispatch    the rest of the MoE layer `mlp`: the token dispatcher (not a Module) and
+                    the permute / unpermute around the experts
+    lm_head_loss    output_layer, plus the loss (token_log_probs and the mean)
+    other           everything outside these: embedding, norms, rotary, residual adds,
+                    gradient accumulation
+Each op's own time (on GPU the CUDA kernels it launched, on CPU its self CPU time) goes to
+the innermost range it ran under. Backward ops run under an autograd node whose sequence
+number is that of the forward op that created it, so they go to that forward op's phase.
+phases_ms sums to total_ms (busy time; below step_ms on GPU, which also holds idle gaps).
+"""
+
+import argparse
+import bisect
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+    decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.02,
+)
+TINY = dict(
+    vocab_size=1000, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+)
+PRESETS = {  # name: (layers, batch, seq, config overrides)
+    "4L": (4, 2, 4096, {}),
+    "12L": (12, 1, 4096, {}),
+    "tiny": (2, 2, 64, TINY),
+}
+MCORE_SYSTEMS = ("ours", "mcore-local")
+HF_SYSTEMS = ("hf-grouped_mm", "hf-eager")
+SYSTEMS = MCORE_SYSTEMS + HF_SYSTEMS
+REFERENCE = "hf-grouped_mm"
+DEFAULT_PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16, datasheet
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GIB = 1024**3
+
+PHASE_PREFIX = "step_bench/"
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+MODULE_PHASES = (  # module name suffix -> phase; the first match wins
+    (".self_attention.core_attention", "attention_core"),
+    (".self_attention.linear_qkv", "attention_proj"),
+    (".self_attention.linear_proj", "attention_proj"),
+    (".mlp.router", "router"),
+    (".mlp.experts", "experts"),
+    (".mlp", "moe_dispatch"),
+    (".output_layer", "lm_head_loss"),
+)
+PHASES = ("attention_core", "attention_proj", "router", "experts", "moe_dispatch",
+          "lm_head_loss", "other")
+
+
+# ---------------------------------------------------------------- shape and FLOPs
+
+def model_config(args) -> dict:
+    """The HF Qwen3-MoE config dict of the benchmarked shape."""
+    layers, _, _, overrides = PRESETS[args.preset]
+    return {**QWEN3_30B_A3B, **overrides, "num_hidden_layers": args.layers or layers}
+
+
+def step_flops(spec, batch: int, seq: int) -> dict:
+    """Model FLOPs of one forward + backward step (formula in the module docstring)."""
+    h, layers = spec.hidden_size, spec.num_layers
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attention_proj = h * (q + 2 * kv) + q * h
+    experts = spec.top_k * 3 * h * spec.moe_ffn_hidden_size
+    router = h * spec.num_experts
+    active = layers * (attention_proj + experts + router) + h * spec.vocab_size
+    attention = layers * spec.num_heads * spec.head_dim * seq
+    tokens = batch * seq
+    return dict(active_params_per_token=active, flops_per_step=6 * tokens * (active + attention))
+
+
+def shape_info(spec, args, dtype: torch.dtype) -> dict:
+    return dict(
+        layers=spec.num_layers, batch=args.batch, seq=args.seq, tokens=args.batch * args.seq,
+        hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, experts=spec.num_experts, top_k=spec.top_k,
+        moe_ffn=spec.moe_ffn_hidden_size, vocab=spec.vocab_size, dtype=str(dtype).removeprefix("torch."),
+        **step_flops(spec, args.batch, args.seq),
+    )
+
+
+def version_of(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def env_info(device: str) -> dict:
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    return dict(
+        python=platform.python_version(), torch=torch.__version__,
+        transformers=version_of("transformers"), megatron_core=version_of("megatron-core"),
+        device=device, gpu=gpu, cuda=torch.version.cuda if device == "cuda" else None,
+        cpu_threads=torch.get_num_threads(),
+    )
+
+
+# ---------------------------------------------------------------- systems
+
+def mcore_options(name: str, device: str, dtype: torch.dtype):
+    """BuildOptions for `ours` / `mcore-local` (raises TypeError while the fields are missing)."""
+    from backend.model import BuildOptions
+
+    base = dict(device=device, dtype=dtype, spec="local")
+    if name == "ours":
+        return BuildOptions(**base, experts="grouped", attention="sdpa")
+    fields = {f.name for f in dataclasses.fields(BuildOptions)}
+    if {"experts", "attention"} <= fields:
+        return BuildOptions(**base, experts="sequential", attention="local")
+    return BuildOptions(**base)  # local spec = SequentialMLP + DotProductAttention
+
+
+def build_mcore(name: str, ctx: dict):
+    """(model, step, build options) for an mcore system; step runs forward + backward."""
+    if ctx["mcore_error"]:
+        raise RuntimeError(ctx["mcore_error"])
+    from backend.forward import forward_logits, token_log_probs
+    from backend.model import build_model
+
+    opts = mcore_options(name, ctx["device"], ctx["dtype"])
+    model = build_model(ctx["spec"], ctx["groups"], opts)
+    model.train()
+    ids = ctx["ids"]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = forward_logits(model, ids)
+        with torch.profiler.record_function(PHASE_PREFIX + "lm_head_loss"):
+            loss = -token_log_probs(logits[:, :-1], ids[:, 1:]).mean()
+        loss.backward()
+
+    return model, step, repr(opts)
+
+
+def build_hf(name: str, ctx: dict):
+    """(model, step, build options) for an HF system."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{k: v for k, v in ctx["config"].items() if k != "model_type"})
+    experts = name.removeprefix("hf-")
+    with torch.device(ctx["device"]):
+        model = Qwen3MoeForCausalLM._from_config(
+            config, attn_implementation="sdpa", experts_implementation=experts, dtype=ctx["dtype"]
+        )
+    model.train()
+    ids = ctx["ids"]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    built = dict(attn=model.config._attn_implementation, experts=model.config._experts_implementation)
+    return model, step, json.dumps(built)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, device: str, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each timed step, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def speed(times: list[float], ctx: dict) -> dict:
+    ms = statistics.fmean(times)
+    tflops = ctx["shape"]["flops_per_step"] / (ms / 1e3) / 1e12
+    peak = ctx["peak_tflops"]
+    return dict(
+        ms_per_step=round(ms, 3), ms_median=round(statistics.median(times), 3),
+        ms_min=round(min(times), 3), ms_max=round(max(times), 3),
+        ms_std=round(statistics.pstdev(times), 3),
+        tokens_per_s=round(ctx["shape"]["tokens"] / (ms / 1e3), 1),
+        model_tflops=float(f"{tflops:.4g}"), mfu=float(f"{tflops / peak:.4g}") if peak else None,
+    )
+
+
+def run_system(name: str, ctx: dict, args) -> dict:
+    device = ctx["device"]
+    build = build_mcore if name in MCORE_SYSTEMS else build_hf
+    start = time.perf_counter()
+    model, step, options = build(name, ctx)
+    result = dict(system=name, build=options, build_s=round(time.perf_counter() - start, 2))
+    if device == "cuda":
+        result["weights_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
+        torch.cuda.reset_peak_memory_stats()
+    result.update(speed(time_steps(step, device, args.warmup, args.iters), ctx))
+    result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3) if device == "cuda" else None
+    if args.breakdown and name in MCORE_SYSTEMS:
+        result["breakdown"] = profile_phases(model, step, device)
+    return result
+
+
+def error_result(name: str, err: BaseException) -> dict:
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    where = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else None
+    return dict(system=name, error=f"{type(err).__name__}: {err}".strip()[:2000], where=where)
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- --breakdown
+
+def module_phase(name: str) -> str | None:
+    dotted = "." + name
+    return next((phase for suffix, phase in MODULE_PHASES if dotted.endswith(suffix)), None)
+
+
+class PhaseRanges:
+    """record_function ranges around the modules of each phase, via forward pre/post hooks."""
+
+    def __init__(self, model):
+        self.open, self.handles = [], []
+        for name, module in model.named_modules():
+            phase = module_phase(name)
+            if phase:
+                self.handles.append(module.register_forward_pre_hook(self._enter_hook(phase)))
+                self.handles.append(module.register_forward_hook(self._exit_hook))
+
+    def _enter_hook(self, phase: str):
+        def enter(module, args):
+            scope = torch.profiler.record_function(PHASE_PREFIX + phase)
+            scope.__enter__()
+            self.open.append(scope)
+        return enter
+
+    def _exit_hook(self, module, args, output):
+        self.open.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def enclosing(event) -> tuple[str, object]:
+    """('forward', phase or None) or ('backward', autograd sequence number) of an op."""
+    node = event
+    while node is not None:
+        if node.name.startswith(PHASE_PREFIX):
+            return "forward", node.name.removeprefix(PHASE_PREFIX)
+        if node.name.startswith(BACKWARD_NODE):
+            return "backward", node.sequence_nr
+        node = node.cpu_parent
+    return "forward", None
+
+
+def own_time_us(event, on_gpu: bool) -> float:
+    """GPU: the kernels this op launched itself; CPU: its self CPU time (ranges included)."""
+    if on_gpu:
+        return 0.0 if event.is_user_annotation else sum(k.duration for k in event.kernels)
+    return event.self_cpu_time_total
+
+
+def phase_times_us(events, on_gpu: bool) -> dict[str, float]:
+    """Own time of every op summed per phase; backward ops take their forward op's phase."""
+    from torch.autograd import DeviceType
+
+    ops = sorted((e for e in events if e.device_type == DeviceType.CPU and not e.is_async),
+                 key=lambda e: e.time_range.start)
+    places = [(op, enclosing(op)) for op in ops]
+    seq_phase = {}  # the last forward op seen with a sequence number is the node's creator
+    for op, (direction, phase) in places:
+        if direction == "forward" and op.sequence_nr >= 0:
+            seq_phase[op.sequence_nr] = phase
+    recorded = sorted(seq_phase)
+    totals = dict.fromkeys(PHASES, 0.0)
+    for op, (direction, where) in places:
+        phase = backward_phase(where, seq_phase, recorded) if direction == "backward" else where
+        totals[phase or "other"] += own_time_us(op, on_gpu)
+    return totals
+
+
+def backward_phase(seq: int, seq_phase: dict, recorded: list[int]) -> str | None:
+    """Phase of the forward op that created autograd node `seq`. Nodes no recorded op owns
+    (CopySlices / AsStrided of in-place writes into views) take the phase of the closest earlier
+    one; AccumulateGrad (seq -1) has none."""
+    if seq < 0:
+        return None
+    if seq in seq_phase:
+        return seq_phase[seq]
+    i = bisect.bisect_right(recorded, seq) - 1
+    return seq_phase[recorded[i]] if i >= 0 else None
+
+
+def profile_phases(model, step, device: str) -> dict:
+    """Time per phase of one profiled step (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    ranges = PhaseRanges(model)
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            step_ms = (time.perf_counter() - start) * 1e3
+    finally:
+        ranges.remove()
+    totals = phase_times_us(prof.events(), on_gpu)
+    total = sum(totals.values())
+    return dict(
+        clock="cuda kernel time" if on_gpu else "cpu self time",
+        step_ms=round(step_ms, 3), total_ms=round(total / 1e3, 3),
+        phases_ms={k: round(v / 1e3, 3) for k, v in totals.items()},
+        phases_pct={k: round(100 * v / total, 1) if total else None for k, v in totals.items()},
+    )
+
+
+# ---------------------------------------------------------------- run
+
+def compare_to_reference(results: list[dict]) -> None:
+    """Add vs_hf_grouped_mm (speedup, peak memory ratio) to each timed result."""
+    ref = next((r for r in results if r["system"] == REFERENCE and "ms_per_step" in r), None)
+    for r in results:
+        if ref is None or "ms_per_step" not in r:
+            continue
+        mem = (r["peak_mem_gib"] / ref["peak_mem_gib"]) if ref["peak_mem_gib"] and r["peak_mem_gib"] else None
+        r["vs_hf_grouped_mm"] = dict(
+            speedup=round(ref["ms_per_step"] / r["ms_per_step"], 3),
+            peak_mem_ratio=round(mem, 3) if mem is not None else None,
+        )
+
+
+def setup(args, systems: list[str]) -> dict:
+    """Device, process groups (mcore only), spec, shape and the batch of token ids."""
+    from backend.device import prepare_device, resolve_device
+    from backend.hf_config import load_qwen3_moe_spec
+
+    device = resolve_device(args.device)
+    groups, mcore_error = None, None
+    if any(s in MCORE_SYSTEMS for s in systems):
+        try:  # a missing megatron-core fails the mcore systems only
+            from backend.distributed import init_parallel
+
+            groups = init_parallel(prepare_device(device))
+        except Exception as err:
+            mcore_error = f"megatron-core setup failed: {type(err).__name__}: {err}"
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    config = model_config(args)
+    spec = load_qwen3_moe_spec(config)
+    peak = args.peak_tflops if args.peak_tflops else (DEFAULT_PEAK_TFLOPS if device == "cuda" else None)
+    torch.manual_seed(0)
+    ids = torch.randint(0, spec.vocab_size, (args.batch, args.seq), device=device)
+    return dict(device=device, dtype=dtype, config=config, spec=spec, groups=groups, ids=ids,
+                mcore_error=mcore_error, peak_tflops=peak, shape=shape_info(spec, args, dtype))
+
+
+def document(args, ctx: dict, results: list[dict], complete: bool) -> dict:
+    settings = dict(warmup=args.warmup, iters=args.iters, peak_tflops=ctx["peak_tflops"],
+                    breakdown=args.breakdown, complete=complete)
+    return {"env": env_info(ctx["device"]), "preset": args.preset, "settings": settings,
+            "shape": ctx["shape"], "results": results}
+
+
+def write(doc: dict, out: str | None) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="4L")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--batch", type=int, help="override the preset's batch size")
+    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
+    p.add_argument("--iters", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--peak-tflops", type=float, help=f"MFU denominator (default {DEFAULT_PEAK_TFLOPS:g} on GPU)")
+    p.add_argument("--breakdown", action="store_true", help="profile one extra step per mcore system")
+    p.add_argument("--out", help="write the JSON document here (also rewritten after each system)")
+    args = p.parse_args(argv)
+    _, batch, seq, _ = PRESETS[args.preset]
+    args.batch, args.seq = args.batch or batch, args.seq or seq
+    args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.system_list) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ctx = setup(args, args.system_list)
+    results = []
+    bar = tqdm(args.system_list, desc="systems", unit="system", file=sys.stderr)
+    for name in bar:
+        bar.set_postfix_str(name)
+        try:
+            result = run_system(name, ctx, args)
+        except Exception as err:  # recorded; the next system still runs
+            result = error_result(name, err)
+        free_memory(ctx["device"])
+        results.append(result)
+        tqdm.write(f"{name}: {result.get('ms_per_step', result.get('error'))}", file=sys.stderr)
+        compare_to_reference(results)
+        write(document(args, ctx, results, complete=False), args.out)
+    doc = document(args, ctx, results, complete=True)
+    write(doc, args.out)
+    print(json.dumps(doc, indent=2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
