@@ -8,6 +8,10 @@ hold the score matrix, and reads grouped K/V directly (enable_gqa).
 Masks follow megatron's convention (bool, True = blocked). With no mask and a causal layer
 (what GPU callers pass) SDPA runs `is_causal`, the flash path; an explicit mask (what the CPU
 path passes, and any padding mask) goes to SDPA as its complement.
+
+On Ascend the same module calls torch_npu's fused attention (`npu_fusion_attention`, layout
+SBH, GQA native): causal via its compressed 2048 x 2048 mask (sparse_mode 2) when no mask is
+given, the explicit mask as is otherwise (its convention is megatron's).
 """
 
 import math
@@ -41,6 +45,8 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention takes padded [s, b] batches without attention bias: "
                              "unpack the sequences (remove-padding off) or use the TE spec")
         mask_type = attn_mask_type or self.attn_mask_type
+        if query.device.type == "npu":
+            return self._npu(query, key, value, attention_mask, mask_type)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         causal = attention_mask is None and mask_type == AttnMaskType.causal
         keep = None if attention_mask is None else ~attention_mask
@@ -49,3 +55,25 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _npu(self, query, key, value, attention_mask, mask_type):
+        import torch_npu
+
+        sq, b, heads, _ = query.shape
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        mask = _npu_compressed_causal_mask(query.device) if causal else attention_mask
+        out = torch_npu.npu_fusion_attention(
+            query.reshape(sq, b, -1), key.reshape(key.shape[0], b, -1), value.reshape(value.shape[0], b, -1),
+            heads, "SBH", atten_mask=mask, scale=self.softmax_scale,
+            keep_prob=1.0 - (self.dropout if self.training else 0.0), sparse_mode=2 if causal else 0)
+        return out[0]
+
+
+_NPU_CAUSAL: dict[torch.device, torch.Tensor] = {}
+
+
+def _npu_compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The fixed 2048 x 2048 upper-triangular mask sparse_mode 2 expects, whatever the length."""
+    if device not in _NPU_CAUSAL:
+        _NPU_CAUSAL[device] = torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
+    return _NPU_CAUSAL[device]

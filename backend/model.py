@@ -27,8 +27,8 @@ class BuildOptions:
     dispatcher: str | None = None
     # local spec only: "grouped" (backend.experts) / "sequential" (mcore's SequentialMLP) experts,
     # "sdpa" (backend.attention) / "local" (mcore's DotProductAttention) attention. "auto":
-    # grouped experts on cuda and npu (grouped GEMM kernels), SDPA on cuda (flash kernels; on
-    # npu MindSpeed patches megatron's own attention); megatron-core's modules on CPU
+    # ours on cuda and npu (grouped GEMM, flash / fused attention kernels), megatron-core's on
+    # CPU (the reference the tests compare ours with)
     experts: str = "auto"
     attention: str = "auto"
     grouped_gemm: str = "auto"  # backend.grouped_gemm kernel: auto | grouped_mm | npu | loop
@@ -48,10 +48,10 @@ class BuildOptions:
         return self.dispatcher or ("allgather" if self.device == "cpu" else "alltoall")
 
     def resolved_experts(self) -> str:
-        return _choose("experts", self.experts, ("grouped", "sequential"), self.device in ("cuda", "npu"))
+        return _choose("experts", self.experts, ("grouped", "sequential"), self.device != "cpu")
 
     def resolved_attention(self) -> str:
-        return _choose("attention", self.attention, ("sdpa", "local"), self.device == "cuda")
+        return _choose("attention", self.attention, ("sdpa", "local"), self.device != "cpu")
 
 
 def _choose(what: str, value: str, choices: tuple[str, str], fast: bool) -> str:

@@ -74,7 +74,7 @@ def test_default_modules_by_device(world1, spec):
     assert isinstance(layer.self_attention.core_attention, SDPAttention)
     cuda, npu = BuildOptions(device="cuda"), BuildOptions(device="npu")
     assert (cuda.resolved_experts(), cuda.resolved_attention()) == ("grouped", "sdpa")
-    assert (npu.resolved_experts(), npu.resolved_attention()) == ("grouped", "local")
+    assert (npu.resolved_experts(), npu.resolved_attention()) == ("grouped", "sdpa")
 
 
 def test_outputs_and_gradients_match_megatron_modules(pair, spec):
