@@ -5,9 +5,10 @@ spec). megatron's local attention materialises the [b, heads, s, s] scores in fp
 repeats K/V per query group; SDPA dispatches to flash / memory-efficient kernels that never
 hold the score matrix, and reads grouped K/V directly (enable_gqa).
 
-Masks follow megatron's convention (bool, True = blocked). With no mask and a causal layer
-(what GPU callers pass) SDPA runs `is_causal`, the flash path; an explicit mask (what the CPU
-path passes, and any padding mask) goes to SDPA as its complement.
+Masks follow megatron's convention (bool, True = blocked). With no mask on a causal layer (what
+GPU callers pass) or backend.forward's own causal mask (CPU and Ascend callers), SDPA runs
+`is_causal`, the flash path, and no [s, s] mask is kept for backward; any other mask (padding)
+goes to SDPA as its complement.
 
 On Ascend the same module calls torch_npu's fused attention (`npu_fusion_attention`, layout
 SBH, GQA native): causal via its compressed 2048 x 2048 mask (sparse_mode 2) when no mask is
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from backend.forward import is_causal_mask
 
 
 class SDPAttention(MegatronModule):
@@ -44,11 +47,12 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention takes padded [s, b] batches without attention bias: "
                              "unpack the sequences (remove-padding off) or use the TE spec")
-        mask_type = attn_mask_type or self.attn_mask_type
+        if is_causal_mask(attention_mask):
+            attention_mask, attn_mask_type = None, AttnMaskType.causal
+        causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         if query.device.type == "npu":
-            return self._npu(query, key, value, attention_mask, mask_type)
+            return self._npu(query, key, value, attention_mask, causal)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
         keep = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, is_causal=causal, scale=self.softmax_scale,
@@ -56,11 +60,10 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
-    def _npu(self, query, key, value, attention_mask, mask_type):
+    def _npu(self, query, key, value, attention_mask, causal: bool):
         import torch_npu
 
         sq, b, heads, _ = query.shape
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
         mask = _npu_compressed_causal_mask(query.device) if causal else attention_mask
         out = torch_npu.npu_fusion_attention(
             query.reshape(sq, b, -1), key.reshape(key.shape[0], b, -1), value.reshape(value.shape[0], b, -1),

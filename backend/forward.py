@@ -1,14 +1,30 @@
 """Forward helpers on a megatron-core GPTModel: masks, logits, per-token log-probs."""
 
+from functools import lru_cache
+
 import torch
+
+
+@lru_cache(maxsize=2)
+def _causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """mcore's attention mask convention: bool [1, 1, s, s], True where attention is blocked.
 
-    Passed explicitly because megatron-core's default mask is created on 'cuda'.
+    Passed explicitly because megatron-core's default mask is created on 'cuda'. The same
+    (cached, never written) tensor comes back for the same length and device, so attention
+    kernels can recognise it (`is_causal_mask`) and run their causal path without it.
     """
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+    return _causal_mask(seq_len, torch.device(device))
+
+
+def is_causal_mask(mask: torch.Tensor | None) -> bool:
+    """True for the exact tensor causal_mask hands out (identity: no device sync, no compare)."""
+    if mask is None or mask.dim() != 4:
+        return False
+    return mask is _causal_mask(mask.shape[-1], mask.device)
 
 
 def attention_mask_for(input_ids_BS: torch.Tensor) -> torch.Tensor | None:

@@ -18,11 +18,14 @@ Saved for backward by one layer, per token (values of b bytes unless noted):
       expert input h + fc1 output 2f/etp (fused weighted SwiGLU keeps only its input)
       + fc2 input f/etp                                             = h + 3f/etp
       + the token's routing prob in fp32, 4 B
-  unfused kernels (megatron-core's local spec on CPU) also keep: torch RMSNorm's normalized
-  copy (2h + q + kv), a split copy of q (q), RoPE cos/sin (4 head_dim), K and V repeated to
-  every head in place of the rotated k (2q - kv), the softmax probabilities (heads * seq_len)
-  and, per routed token, the SiLU output, linear half and gated product (3f/etp); the s x s
-  boolean mask (shared by all layers) is left out.
+  kernels that are not fused keep more (parallel.activations.Kernels):
+  - unfused norms and RoPE (torch RMSNorm, megatron's unfused rotary: both the local spec and
+    ours): the norms' normalized copies (2h + q + kv), a split copy of q (q), cos/sin (4 head_dim);
+  - unfused attention (megatron-core's local DotProductAttention): K and V repeated to every
+    head in place of the rotated k (2q - kv) and the softmax probabilities (heads * seq_len),
+    instead of the flash kernels' fp32 log-sum-exp; the s x s boolean mask (shared by all
+    layers) is left out;
+  - unfused SwiGLU, per routed token: the SiLU output, linear half and gated product (3f/etp).
 With full recompute (megatron's "full"/"uniform", one layer per checkpoint) a layer keeps
 only its input, h on T/(tp*cp) tokens, and one layer at a time is re-run in backward.
 
@@ -39,12 +42,18 @@ from parallel.plan import ModelFit, ParallelPlan
 
 @dataclass(frozen=True)
 class Kernels:
-    flash_attention: bool = True  # TE / MindSpeed fused attention: no s x s probabilities
-    fused_swiglu: bool = True  # megatron bias_swiglu fusion: keeps only the fc1 output
+    flash_attention: bool = True  # flash / fused attention: no s x s probabilities, GQA K/V as is
+    fused_swiglu: bool = True  # megatron's (weighted) bias_swiglu fusion: keeps only the fc1 output
+    fused_norm_rope: bool = False  # TE's fused RMSNorm and RoPE: no normalized or split copies
 
 
-PRODUCTION_KERNELS = Kernels()
+# what backend.model builds on accelerators: our SDPAttention and GroupedExperts with megatron's
+# fused weighted SwiGLU, torch RMSNorm and megatron's unfused RoPE
+ACCELERATOR_KERNELS = Kernels()
+# megatron-core's local spec on CPU (the reference modules), and our modules on CPU
 LOCAL_SPEC_KERNELS = Kernels(flash_attention=False, fused_swiglu=False)
+OURS_ON_CPU_KERNELS = Kernels(flash_attention=True, fused_swiglu=False)
+TE_KERNELS = Kernels(fused_norm_rope=True)
 
 
 def attention_side_bytes_per_token(spec: Qwen3MoeSpec, b: int, kernels: Kernels,
@@ -53,10 +62,12 @@ def attention_side_bytes_per_token(spec: Qwen3MoeSpec, b: int, kernels: Kernels,
     q, kv = heads * hd, spec.num_kv_heads * hd
     values = 4 * h + 3 * q + 3 * kv
     fp32_bytes = (2 + heads + spec.num_kv_heads) * 4
+    if not kernels.fused_norm_rope:
+        values += (2 * h + q + kv) + q + 4 * hd
     if kernels.flash_attention:
         fp32_bytes += heads * 4
     else:
-        values += 2 * h + 4 * q + 4 * hd + heads * seq_len
+        values += (2 * q - kv) + heads * seq_len
     router_bytes = spec.num_experts * 5 + spec.top_k * 20
     return values * b + fp32_bytes + router_bytes
 
@@ -69,7 +80,7 @@ def expert_side_bytes_per_routed_token(spec: Qwen3MoeSpec, etp: int, b: int,
 
 
 def layer_activation_bytes(spec: Qwen3MoeSpec, plan: ParallelPlan, tokens: int, b: int = 2,
-                           kernels: Kernels = PRODUCTION_KERNELS,
+                           kernels: Kernels = ACCELERATOR_KERNELS,
                            seq_len: int | None = None) -> float:
     """Bytes one decoder layer saves for backward on one device, for a micro-batch of `tokens`.
 
@@ -98,7 +109,7 @@ def layers_in_flight(plan: ParallelPlan, stage_layers: tuple[int, ...], stage: i
 
 
 def stage_activation_bytes(fit: ModelFit, stage: int, tokens: int, recompute: bool,
-                           b: int = 2, kernels: Kernels = PRODUCTION_KERNELS) -> float:
+                           b: int = 2, kernels: Kernels = ACCELERATOR_KERNELS) -> float:
     """Decoder activations held by one device of `stage` at its peak."""
     layer = layer_activation_bytes(fit.spec, fit.plan, tokens, b, kernels)
     layers = layers_in_flight(fit.plan, fit.stage_layers, stage)

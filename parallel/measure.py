@@ -61,24 +61,26 @@ class ActivationCheck:
         return (self.estimated_bytes - self.measured_bytes) / self.measured_bytes
 
 
-def check_tiny_activations(groups, tokens: int, seed: int = 0) -> ActivationCheck:
+def check_tiny_activations(groups, tokens: int, seed: int = 0, ours: bool = False) -> ActivationCheck:
     """Tiny model on one CPU rank (fp32, local spec): measured vs estimated decoder bytes.
 
+    ours: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
     `groups` comes from backend.distributed.init_parallel on a world of one.
     """
     from backend.forward import forward_logits
     from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
-    from parallel.activations import LOCAL_SPEC_KERNELS, layer_activation_bytes
+    from parallel.activations import LOCAL_SPEC_KERNELS, OURS_ON_CPU_KERNELS, layer_activation_bytes
     from parallel.plan import ParallelPlan
     from recipes.local.tiny_model import tiny_config
 
     spec = load_qwen3_moe_spec(tiny_config())
     torch.manual_seed(seed)
-    model = build_model(spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local"))
+    modules = dict(experts="grouped", attention="sdpa") if ours else dict(experts="sequential", attention="local")
+    model = build_model(spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local", **modules))
     input_ids = torch.randint(0, spec.vocab_size, (1, tokens))
     with saved_bytes_inside(model, list(model.decoder.layers)) as counter:
         forward_logits(model, input_ids)
     per_layer = layer_activation_bytes(spec, ParallelPlan(devices_per_node=1), tokens, b=4,
-                                       kernels=LOCAL_SPEC_KERNELS)
+                                       kernels=OURS_ON_CPU_KERNELS if ours else LOCAL_SPEC_KERNELS)
     return ActivationCheck(tokens, counter.total, spec.num_layers * per_layer)

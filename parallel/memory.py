@@ -18,7 +18,7 @@ everything back for the update, so they shrink the second column, not the first.
 
 from dataclasses import dataclass
 
-from parallel.activations import PRODUCTION_KERNELS, Kernels, stage_activation_bytes
+from parallel.activations import ACCELERATOR_KERNELS, Kernels, stage_activation_bytes
 from parallel.params import DeviceParams, device_params
 from parallel.plan import ModelFit
 
@@ -37,7 +37,7 @@ class MemoryOptions:
     recompute: bool = False  # full recompute, one layer per checkpoint
     offload_params: bool = False  # verl param_offload
     offload_optimizer: bool = False  # verl optimizer_offload
-    kernels: Kernels = PRODUCTION_KERNELS
+    kernels: Kernels = ACCELERATOR_KERNELS
     activation_bytes: int = 2  # bf16
 
 

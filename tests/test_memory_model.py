@@ -88,7 +88,7 @@ def test_activations_scale_with_tokens_tp_cp_and_top_k():
     assert per_layer(tp=4, ep=8) == pytest.approx(per_layer(tp=2, ep=8) / 2)
     assert per_layer(cp=2, ep=8) == pytest.approx(per_layer(ep=8) / 2)
     assert per_layer(ep=8) == pytest.approx(per_layer(ep=1))  # balanced routing
-    assert per_layer(replace(QWEN, top_k=16)) > 1.5 * per_layer()  # experts dominate
+    assert per_layer(replace(QWEN, top_k=16)) > 1.45 * per_layer()  # experts dominate (~2/3 at k=8)
 
 
 def test_pipeline_first_stage_holds_a_full_model_of_activations():
@@ -116,9 +116,10 @@ def test_devices_differ_only_in_capacity():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ours", [False, True], ids=["mcore-local", "grouped-sdpa"])
 @pytest.mark.parametrize("tokens", [64, 256])
-def test_activation_estimate_matches_saved_tensors_of_tiny_model(world1, tokens):
+def test_activation_estimate_matches_saved_tensors_of_tiny_model(world1, tokens, ours):
     from parallel.measure import check_tiny_activations
 
-    check = check_tiny_activations(world1, tokens)
+    check = check_tiny_activations(world1, tokens, ours=ours)
     assert abs(check.relative_error) < 0.1, check

@@ -12,7 +12,6 @@ vLLM's gpu_memory_utilization is what is left for it after the actor's residency
 import math
 from dataclasses import dataclass
 
-from parallel.activations import LOCAL_SPEC_KERNELS
 from parallel.memory import DEVICE_MEMORY_GIB, GIB, HEADROOM, MemoryOptions, estimate_memory
 from parallel.params import param_counts
 from parallel.plan import ModelFit, PlanError
@@ -67,7 +66,6 @@ def fit_rollout(fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp:
             recompute=True,
             offload_params=params,
             offload_optimizer=optimizer,
-            kernels=LOCAL_SPEC_KERNELS,
         )
         est = estimate_memory(fit, options)
         if not est.fits:
