@@ -111,8 +111,13 @@ def test_sdpa_attention_matches_dot_product_attention(pair):
     mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1)[None, None]
     expected = ref_attn(q, k, v, mask)
     torch.testing.assert_close(our_attn(q, k, v, mask), expected, rtol=0, atol=1e-6)
-    # no mask on a causal layer: SDPA's is_causal path (flash on GPUs) gives the same
+    # no mask on a causal layer, or backend.forward's own causal mask: SDPA's is_causal path
+    # (flash on GPUs), which keeps no [s, s] mask for backward, gives the same
+    from backend.forward import causal_mask, is_causal_mask
+
     torch.testing.assert_close(our_attn(q, k, v, None), expected, rtol=0, atol=1e-6)
+    assert is_causal_mask(causal_mask(q.shape[0])) and not is_causal_mask(mask)
+    torch.testing.assert_close(our_attn(q, k, v, causal_mask(q.shape[0])), expected, rtol=0, atol=1e-6)
     padding = mask | torch.tensor([False] * 9 + [True] * 3)  # last 3 keys hidden
     torch.testing.assert_close(our_attn(q, k, v, padding), ref_attn(q, k, v, padding), rtol=0, atol=1e-6)
 
