@@ -28,35 +28,67 @@ from backend.forward import is_causal_mask
 class SDPAttention(MegatronModule):
     """query [sq, b, heads, d], key/value [sk, b, groups, d] -> [sq, b, heads * d]."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size > 1:
-            raise ValueError("SDPAttention does not split sequences over context parallel ranks: "
-                             "use cp=1, or TransformerEngine's attention (spec='te')")
+            raise ValueError(
+                "SDPAttention does not split sequences over context parallel ranks: "
+                "use cp=1, or TransformerEngine's attention (spec='te')"
+            )
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         if config.apply_query_key_layer_scaling:
-            raise ValueError("apply_query_key_layer_scaling is fp16-only and not supported by SDPAttention")
+            raise ValueError(
+                "apply_query_key_layer_scaling is fp16-only and not supported by SDPAttention"
+            )
         self.softmax_scale = scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention takes padded [s, b] batches without attention bias: "
-                             "unpack the sequences (remove-padding off) or use the TE spec")
+            raise ValueError(
+                "SDPAttention takes padded [s, b] batches without attention bias: "
+                "unpack the sequences (remove-padding off) or use the TE spec"
+            )
         if is_causal_mask(attention_mask):
             attention_mask, attn_mask_type = None, AttnMaskType.causal
-        causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        causal = (
+            attention_mask is None
+            and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        )
         if query.device.type == "npu":
             return self._npu(query, key, value, attention_mask, causal)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         keep = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep, is_causal=causal, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+            q,
+            k,
+            v,
+            attn_mask=keep,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -66,9 +98,16 @@ class SDPAttention(MegatronModule):
         sq, b, heads, _ = query.shape
         mask = _npu_compressed_causal_mask(query.device) if causal else attention_mask
         out = torch_npu.npu_fusion_attention(
-            query.reshape(sq, b, -1), key.reshape(key.shape[0], b, -1), value.reshape(value.shape[0], b, -1),
-            heads, "SBH", atten_mask=mask, scale=self.softmax_scale,
-            keep_prob=1.0 - (self.dropout if self.training else 0.0), sparse_mode=2 if causal else 0)
+            query.reshape(sq, b, -1),
+            key.reshape(key.shape[0], b, -1),
+            value.reshape(value.shape[0], b, -1),
+            heads,
+            "SBH",
+            atten_mask=mask,
+            scale=self.softmax_scale,
+            keep_prob=1.0 - (self.dropout if self.training else 0.0),
+            sparse_mode=2 if causal else 0,
+        )
         return out[0]
 
 

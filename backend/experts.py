@@ -32,14 +32,23 @@ _LINEARS = {"weight1": ("linear_fc1", 0), "weight2": ("linear_fc2", 1)}  # name,
 class GroupedExperts(MegatronModule):
     """All local experts of one MoE layer as grouped GEMMs (SwiGLU, no bias)."""
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None, *,
-                 groups: ProcessGroups, gemm: str = "auto"):
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        *,
+        groups: ProcessGroups,
+        gemm: str = "auto",
+    ):
         super().__init__(config=config)
         _check_config(config)
         etp = groups.size("etp")
         if config.moe_ffn_hidden_size % etp:
-            raise ValueError(f"moe_ffn_hidden_size {config.moe_ffn_hidden_size} is not divisible by "
-                             f"expert tensor parallel size {etp}: choose etp dividing it")
+            raise ValueError(
+                f"moe_ffn_hidden_size {config.moe_ffn_hidden_size} is not divisible by "
+                f"expert tensor parallel size {etp}: choose etp dividing it"
+            )
         self.num_local_experts, self.groups, self.gemm = num_local_experts, groups, gemm
         ffn, hidden = config.moe_ffn_hidden_size // etp, config.hidden_size
         # no device under use_cpu_initialization, so a meta-device build stays on meta
@@ -50,7 +59,11 @@ class GroupedExperts(MegatronModule):
         self._init_weights(config)
         for name, param in (("weight1", self.weight1), ("weight2", self.weight2)):
             # what megatron's DDP, optimizer and grad-norm code read (as on SequentialMLP's linears)
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 1 + _LINEARS[name][1], 1
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = (
+                True,
+                1 + _LINEARS[name][1],
+                1,
+            )
             param.allreduce = not config.expert_model_parallel_size > 1
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stack_per_expert_state_dict)
@@ -58,28 +71,39 @@ class GroupedExperts(MegatronModule):
     def _init_weights(self, config) -> None:
         if not config.perform_initialization or self.weight1.device.type == "meta":
             return
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+        from megatron.core.tensor_parallel.random import (
+            get_cuda_rng_tracker,
+            get_expert_parallel_rng_tracker_name,
+        )
 
         with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
             config.init_method(self.weight1)
             config.output_layer_init_method(self.weight2)
 
-    def forward(self, hidden_TH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_T: torch.Tensor):
+    def forward(
+        self, hidden_TH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_T: torch.Tensor
+    ):
         """Rows sorted by local expert -> (expert outputs [T, H] unweighted-sum-ready, None bias)."""
         fc1_TN = grouped_linear(hidden_TH, self.weight1, tokens_per_expert, self.gemm)
         act_TF = _weighted_swiglu(fc1_TN, probs_T.unsqueeze(-1), self.config.bias_activation_fusion)
-        return grouped_linear(act_TF.to(hidden_TH.dtype), self.weight2, tokens_per_expert, self.gemm), None
+        return grouped_linear(
+            act_TF.to(hidden_TH.dtype), self.weight2, tokens_per_expert, self.gemm
+        ), None
 
     # ---- checkpoints ------------------------------------------------------------------
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ):
         """SequentialMLP's sharded state dict, built from the stacked weights (views, no copies)."""
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         if (metadata or {}).get("singleton_local_shards"):
-            raise NotImplementedError("GroupedExperts does not write singleton_local_shards checkpoints: "
-                                      "save without that metadata flag (the default)")
+            raise NotImplementedError(
+                "GroupedExperts does not write singleton_local_shards checkpoints: "
+                "save without that metadata flag (the default)"
+            )
         g = self.groups
         etp_rank, etp = g.rank("etp"), g.size("etp")
         first, total = g.rank("ep") * self.num_local_experts, g.size("ep") * self.num_local_experts
@@ -89,16 +113,26 @@ class GroupedExperts(MegatronModule):
             n, local, key = len(offsets), f"{prefix}local_experts.{i}.", f"{prefix}experts."
             for name, (linear, tp_dim) in _LINEARS.items():
                 tensor = ShardedTensor.from_rank_offsets(
-                    f"{key}{linear}.weight", getattr(self, name)[i], *offsets, (n + tp_dim, etp_rank, etp),
-                    replica_id=(0, 0, g.rank("edp")), prepend_axis_num=n)
+                    f"{key}{linear}.weight",
+                    getattr(self, name)[i],
+                    *offsets,
+                    (n + tp_dim, etp_rank, etp),
+                    replica_id=(0, 0, g.rank("edp")),
+                    prepend_axis_num=n,
+                )
                 # fc1 holds gate and up: megatron stores them as two halves of one global tensor
-                out[f"{local}{linear}.weight"] = apply_swiglu_sharded_factory(tensor, offsets) if tp_dim == 0 else tensor
-                shape, offset = zip(*[(frag, pos) for _, pos, frag in sorted(offsets)])
+                out[f"{local}{linear}.weight"] = (
+                    apply_swiglu_sharded_factory(tensor, offsets) if tp_dim == 0 else tensor
+                )
+                shape, offset = zip(*[(frag, pos) for _, pos, frag in sorted(offsets)], strict=True)
                 out[f"{local}{linear}._extra_state"] = ShardedObject(
-                    f"{key}{linear}._extra_state", None, shape, offset, (0, etp_rank, g.rank("edp")))
+                    f"{key}{linear}._extra_state", None, shape, offset, (0, etp_rank, g.rank("edp"))
+                )
         return out
 
-    def expert_slices(self, prefix: str, name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def expert_slices(
+        self, prefix: str, name: str, value: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """(SequentialMLP name, per-expert view carrying its TP attributes, value[i]) per local expert."""
         linear, tp_dim = _LINEARS[name]
         stacked = getattr(self, name).detach()
@@ -115,9 +149,15 @@ def _check_config(config) -> None:
     if config.add_bias_linear:
         problems.append("expert linears must have no bias (add_bias_linear=False)")
     if config.moe_apply_probs_on_input:
-        problems.append("moe_apply_probs_on_input is not supported (probabilities weight the outputs)")
+        problems.append(
+            "moe_apply_probs_on_input is not supported (probabilities weight the outputs)"
+        )
     if problems:
-        raise ValueError("GroupedExperts: " + "; ".join(problems) + "; or use SequentialMLP (experts='sequential')")
+        raise ValueError(
+            "GroupedExperts: "
+            + "; ".join(problems)
+            + "; or use SequentialMLP (experts='sequential')"
+        )
 
 
 def _weighted_swiglu(fc1_TN: torch.Tensor, probs_T1: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -132,7 +172,10 @@ def _weighted_swiglu(fc1_TN: torch.Tensor, probs_T1: torch.Tensor, fused: bool) 
 
 # ---- plain state dicts in SequentialMLP's names ---------------------------------------
 
-def _per_expert_state_dict(module: GroupedExperts, state_dict: dict, prefix: str, local_metadata) -> None:
+
+def _per_expert_state_dict(
+    module: GroupedExperts, state_dict: dict, prefix: str, local_metadata
+) -> None:
     for name, (linear, _) in _LINEARS.items():
         stacked = state_dict.pop(prefix + name)
         for i in range(module.num_local_experts):
@@ -140,9 +183,13 @@ def _per_expert_state_dict(module: GroupedExperts, state_dict: dict, prefix: str
             state_dict[f"{prefix}local_experts.{i}.{linear}._extra_state"] = None
 
 
-def _stack_per_expert_state_dict(module: GroupedExperts, state_dict: dict, prefix: str, *args) -> None:
+def _stack_per_expert_state_dict(
+    module: GroupedExperts, state_dict: dict, prefix: str, *args
+) -> None:
     for name, (linear, _) in _LINEARS.items():
-        keys = [f"{prefix}local_experts.{i}.{linear}.weight" for i in range(module.num_local_experts)]
+        keys = [
+            f"{prefix}local_experts.{i}.{linear}.weight" for i in range(module.num_local_experts)
+        ]
         if prefix + name not in state_dict and all(k in state_dict for k in keys):
             state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
         for i in range(module.num_local_experts):

@@ -23,13 +23,19 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
         return impl
     if x.device.type == "npu":
         return "npu"
-    if (x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
+    if (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    ):
         return "grouped_mm"
     return "loop"
 
 
-def grouped_linear(x_TK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def grouped_linear(
+    x_TK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
     """[T, K] rows grouped by expert -> [T, N]; counts_E sums to T."""
     kind = resolve_impl(impl, x_TK)
     if kind == "grouped_mm":
@@ -48,7 +54,9 @@ def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
-def _torch_grouped_mm(x_TK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def _torch_grouped_mm(
+    x_TK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
     offsets_E = counts_E.to(device=x_TK.device).cumsum(0, dtype=torch.int32)
     y_TN = torch._grouped_mm(x_TK, w_ENK.transpose(1, 2), offs=offsets_E)
     if y_TN.requires_grad:
@@ -67,8 +75,14 @@ class _NpuGroupedLinear(torch.autograd.Function):
         counts = counts_E.to(device=x_TK.device, dtype=torch.int64)
         ctx.save_for_backward(x_TK, w_ENK, counts)
         # group_list_type=1: counts per group; split_item=3: one output tensor
-        (y_TN,) = torch_npu.npu_grouped_matmul([x_TK], [w_ENK.transpose(1, 2)], group_list=counts,
-                                               group_type=0, group_list_type=1, split_item=3)
+        (y_TN,) = torch_npu.npu_grouped_matmul(
+            [x_TK],
+            [w_ENK.transpose(1, 2)],
+            group_list=counts,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+        )
         return y_TN
 
     @staticmethod
@@ -77,9 +91,11 @@ class _NpuGroupedLinear(torch.autograd.Function):
 
         x_TK, w_ENK, counts = ctx.saved_tensors
         grad_TN = grad_TN.contiguous()
-        (dx_TK,) = torch_npu.npu_grouped_matmul([grad_TN], [w_ENK], group_list=counts,
-                                                group_type=0, group_list_type=1, split_item=3)
+        (dx_TK,) = torch_npu.npu_grouped_matmul(
+            [grad_TN], [w_ENK], group_list=counts, group_type=0, group_list_type=1, split_item=3
+        )
         # group_type=2 splits the reduction axis (tokens): one [N, K] block per expert
-        (dw_ENK,) = torch_npu.npu_grouped_matmul([grad_TN.t()], [x_TK], group_list=counts,
-                                                 group_type=2, group_list_type=1, split_item=3)
+        (dw_ENK,) = torch_npu.npu_grouped_matmul(
+            [grad_TN.t()], [x_TK], group_list=counts, group_type=2, group_list_type=1, split_item=3
+        )
         return dx_TK, dw_ENK.view_as(w_ENK), None

@@ -117,25 +117,40 @@ def test_sdpa_attention_matches_dot_product_attention(pair):
 
     torch.testing.assert_close(our_attn(q, k, v, None), expected, rtol=0, atol=1e-6)
     assert is_causal_mask(causal_mask(q.shape[0])) and not is_causal_mask(mask)
-    torch.testing.assert_close(our_attn(q, k, v, causal_mask(q.shape[0])), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        our_attn(q, k, v, causal_mask(q.shape[0])), expected, rtol=0, atol=1e-6
+    )
     padding = mask | torch.tensor([False] * 9 + [True] * 3)  # last 3 keys hidden
-    torch.testing.assert_close(our_attn(q, k, v, padding), ref_attn(q, k, v, padding), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        our_attn(q, k, v, padding), ref_attn(q, k, v, padding), rtol=0, atol=1e-6
+    )
 
 
 def test_sdpa_attention_rejects_packed_sequences(pair):
     q, k, v = _attention_inputs(d=pair[1].config.kv_channels)
     with pytest.raises(ValueError, match="padded"):
-        pair[1].decoder.layers[0].self_attention.core_attention(q, k, v, None, packed_seq_params=object())
+        pair[1].decoder.layers[0].self_attention.core_attention(
+            q, k, v, None, packed_seq_params=object()
+        )
 
 
 def _tensors_of(sharded_state_dict) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+    )
 
     apply_factories(sharded_state_dict)
     out = {}
     for name, value in sharded_state_dict.items():
         for i, item in enumerate(value if isinstance(value, list) else [value]):
-            fields = (item.key, tuple(item.global_shape), tuple(item.global_offset), tuple(item.replica_id))
+            fields = (
+                item.key,
+                tuple(item.global_shape),
+                tuple(item.global_offset),
+                tuple(item.replica_id),
+            )
             if isinstance(item, ShardedTensor):
                 out[(name, i)] = (*fields, item.prepend_axis_num, item.data.detach().clone())
             else:
@@ -146,7 +161,10 @@ def _tensors_of(sharded_state_dict) -> dict:
 
 def test_sharded_state_dict_equals_sequential_mlp(pair):
     reference, ours = pair
-    expected, got = _tensors_of(reference.sharded_state_dict()), _tensors_of(ours.sharded_state_dict())
+    expected, got = (
+        _tensors_of(reference.sharded_state_dict()),
+        _tensors_of(ours.sharded_state_dict()),
+    )
     assert got.keys() == expected.keys()
     for name, fields in expected.items():
         assert got[name][:-1] == fields[:-1], name

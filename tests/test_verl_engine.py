@@ -185,7 +185,11 @@ def test_dapo_loss_and_gradients_match_transformers(
     cluster: the A2/H100 engine settings (full recompute), the aux loss observed rather than
     applied so that the reference is the plain DAPO loss (its gradient: tests/test_aux_loss*)."""
     observed = {**AUX_LOSS, "mode": "observe"}
-    extra = {True: dict(recompute=True, aux_loss=observed), False: {}, "fast": dict(fast=True, recompute=True)}[cluster_settings]
+    extra = {
+        True: dict(recompute=True, aux_loss=observed),
+        False: {},
+        "fast": dict(fast=True, recompute=True),  # our modules, as on accelerators
+    }[cluster_settings]
     engine, data = make_engine(**extra), make_batch(max_tokens=max_tokens)
     _on_policy(engine, data)
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
