@@ -38,6 +38,9 @@ def grouped_linear(
 ) -> torch.Tensor:
     """[T, K] rows grouped by expert -> [T, N]; counts_E sums to T."""
     kind = resolve_impl(impl, x_TK)
+    if x_TK.shape[0] == 0:
+        # no token reached these experts (EP): plain matmuls still give their weights a grad
+        kind = "loop"
     if kind == "grouped_mm":
         return _torch_grouped_mm(x_TK, w_ENK, counts_E)
     if kind == "npu":

@@ -37,6 +37,16 @@ def test_grouped_linear_matches_per_expert_matmuls(impl):
     assert torch.count_nonzero(w.grad[1]) == 0
 
 
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_grouped_linear_without_tokens_gives_zero_weight_grads(impl):
+    x = torch.zeros(0, 16, requires_grad=True)
+    w = torch.randn(4, 24, 16, requires_grad=True)
+    y = grouped_linear(x, w, torch.zeros(4, dtype=torch.long), impl)
+    assert y.shape == (0, 24)
+    y.sum().backward()  # the weights still get a (zero) gradient: DDP expects one
+    assert w.grad is not None and torch.count_nonzero(w.grad) == 0
+
+
 def test_grouped_gemm_choice():
     assert resolve_impl("auto", torch.zeros(2, 2)) == "loop"  # CPU
     assert resolve_impl("grouped_mm", torch.zeros(2, 2)) == "grouped_mm"
