@@ -5,6 +5,7 @@ verify exits 1 when the checkpoints differ.
 """
 
 import argparse
+import os
 import re
 import sys
 import warnings
@@ -105,3 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         finally:
             torch.set_num_threads(threads)
+
+
+def exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown (every output is closed and
+    fsynced by now; only the final garbage collection and destructors are skipped)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

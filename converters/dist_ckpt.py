@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from converters.layout import Layout
+from converters.output import OutputFile
 
-WRITE_BUFFER = 16 << 20
 DATA_FILE = f"__0_0{DEFAULT_SUFFIX}"
 METADATA = ".metadata"
 
@@ -78,7 +78,7 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
     """Objects, then every parameter's chunks in model order; then `.metadata`."""
     state: dict = {key: BytesStorageMetadata() for key in objects}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    with no_zip_crc32(), open(root / DATA_FILE, "wb", buffering=WRITE_BUFFER) as stream:
+    with no_zip_crc32(), OutputFile(root / DATA_FILE) as stream:
 
         def record(index: MetadataIndex, write: Callable[[], object]) -> None:
             start = stream.tell()
@@ -97,8 +97,7 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)))
                 progress(data.nbytes)
             del param  # one parameter in memory at a time
-        stream.flush()
-        os.fsync(stream.fileno())
+        stream.sync()
     _write_metadata(root, Metadata(state, planner_data={}, storage_data=storage))
 
 

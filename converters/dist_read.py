@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from converters.errors import ConversionError
+from converters.hf_source import read_exact, tensor_memory
 
 METADATA = ".metadata"
 CONFIG = "metadata.json"
@@ -104,15 +105,17 @@ class DistReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def region(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The [offset, offset + shape) box of global tensor `key`, from every chunk it overlaps."""
+    def region(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The [offset, offset + shape) box of global tensor `key`, from every chunk it overlaps
+        (into `out` when given: same dtype, shape `shape`)."""
         self.global_shape(key)
         lead, buckets = self._buckets[key]
         chunks = buckets.get(offset[:lead], []) if shape[:lead] == (1,) * lead else self.tensors[key].chunks
         for chunk in chunks:  # stored as asked: no assembly
             if tuple(chunk.offsets) == offset and tuple(chunk.sizes) == shape:
-                return self._read_chunk(key, offset).reshape(shape)
-        out = torch.empty(shape, dtype=self.dtype(key))
+                return self._read_chunk(key, offset, out).reshape(shape)
+        out = torch.empty(shape, dtype=self.dtype(key)) if out is None else out
         covered = 0
         for chunk in chunks:
             lo = [max(o, c) for o, c in zip(offset, chunk.offsets, strict=True)]
@@ -127,7 +130,8 @@ class DistReader:
             raise ConversionError(f"dist checkpoint {self.root} does not cover all of {key} at {offset}: the save was incomplete")
         return out
 
-    def _read_chunk(self, key: str, offset: tuple[int, ...]) -> torch.Tensor:
+    def _read_chunk(self, key: str, offset: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A stored chunk; into `out` (contiguous, the chunk's dtype and size) when given."""
         info = self.storage[(key, offset)]
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{key} is stored with transforms {info.transform_descriptors}: not supported")
@@ -135,7 +139,27 @@ class DistReader:
         if path.stat().st_size < info.offset + info.length:
             raise ConversionError(f"{info.relative_path} in {self.root} is truncated: re-save the checkpoint")
         with open(path, "rb", buffering=0) as f:
-            return torch.load(_Slice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            chunk = _Slice(f, info.offset, info.length)
+            if out is not None and out.is_contiguous() and _load_into(chunk, out):
+                return out
+            chunk.seek(0)
+            data = torch.load(chunk, map_location="cpu", weights_only=True)
+            return data if out is None else out.copy_(data.reshape(out.shape))
+
+
+def _load_into(chunk: "_Slice", out: torch.Tensor) -> bool:
+    """Read a torch.save'd tensor's data straight into `out` (contiguous, same dtype and size):
+    no buffer of torch.load's own and no copy out of it. False where the chunk is not plainly
+    that (a view of a bigger storage, or a torch whose meta loads give no record offsets)."""
+    meta = torch.load(chunk, map_location="meta", weights_only=True)  # the pickle only, no data
+    start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (start is None or not meta.is_contiguous() or meta.storage_offset() != 0
+            or meta.dtype != out.dtype or meta.numel() != out.numel()):
+        return False
+    chunk.seek(start)
+    if read_exact(chunk, tensor_memory(out)) != out.nbytes:
+        raise ConversionError(f"{chunk.f.name} ends inside a chunk at {chunk.start}: re-save the checkpoint")
+    return True
 
 
 class _Slice(io.RawIOBase):

@@ -104,11 +104,23 @@ class HFSource(Mapping):
         entry = self.entries[name]
         if tuple(out.shape) != entry.shape or out.dtype != entry.dtype or not out.is_contiguous():
             raise AssertionError(f"{name}: cannot read {entry.shape} {entry.dtype} into {tuple(out.shape)} {out.dtype}")
-        raw = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
         with open(entry.file, "rb", buffering=0) as f:
             f.seek(entry.start)
-            got = f.readinto(raw)
+            got = read_exact(f, tensor_memory(out))
         if got != entry.nbytes:
             raise CheckpointError(f"{entry.file.name} ended inside {name}: re-download it")
         return out
 
+
+def tensor_memory(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's own bytes, writable (reads land in the tensor)."""
+    assert t.is_contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
+
+
+def read_exact(f, buffer: memoryview) -> int:
+    """Fill `buffer` from `f` (a single read stops short past 2 GiB); returns the bytes read."""
+    done = 0
+    while done < len(buffer) and (n := f.readinto(buffer[done:])):
+        done += n
+    return done

@@ -6,7 +6,6 @@ tensor being written.
 """
 
 import json
-import os
 import shutil
 import struct
 from dataclasses import dataclass
@@ -18,8 +17,8 @@ from converters.hf_io import INDEX, SINGLE
 from converters.hf_source import DTYPE_NAMES
 from converters.manifest import NAME as MANIFEST
 from converters.manifest import tensor_bytes
+from converters.output import OutputFile
 
-WRITE_BUFFER = 16 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_INDEXES = (INDEX, "pytorch_model.bin.index.json", MANIFEST)
 
@@ -82,13 +81,12 @@ class ShardedWriter:
     def _open(self, shard: int) -> None:
         self._finish_file()
         self._shard = shard
-        self._stream = open(self.out / self.files[shard], "wb", buffering=WRITE_BUFFER)
+        self._stream = OutputFile(self.out / self.files[shard])
         self._stream.write(_header(self.shards[shard]))
 
     def _finish_file(self) -> None:
         if self._stream is not None:
-            self._stream.flush()
-            os.fsync(self._stream.fileno())
+            self._stream.sync()
             self._stream.close()
             self._stream = None
 

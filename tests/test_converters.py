@@ -74,11 +74,13 @@ def test_dist_checkpoint_loads_into_the_mcore_model(world1, tiny_hf_dir, mcore_d
         assert torch.equal(p, q), name
 
 
-def test_bf16_round_trip_and_multi_shard_source(tmp_path, sharded_hf_dir):
+def test_bf16_round_trip_and_multi_shard_source(tmp_path, sharded_hf_dir, mcore_dir):
     mcore = convert_hf_to_mcore(sharded_hf_dir, tmp_path / "m", dtype="bf16")
     back = convert_mcore_to_hf(mcore, tmp_path / "h", template=sharded_hf_dir)
     expected = {k: v.to(torch.bfloat16) for k, v in read_state_dict(sharded_hf_dir).items()}
     _exact(read_state_dict(back), expected)
+    cast = convert_mcore_to_hf(mcore_dir, tmp_path / "cast", template=sharded_hf_dir, dtype="bf16")  # fp32 chunks
+    _exact(read_state_dict(cast), expected)
     assert main(["verify", str(sharded_hf_dir), str(back)]) == 1  # fp32 vs bf16, bit-exact
     assert main(["verify", str(sharded_hf_dir), str(back), "--atol", "1e-2"]) == 0
 
@@ -200,6 +202,22 @@ def test_missing_and_truncated_shards(sharded_hf_dir, tmp_path, capsys):
     _one_line_error(capsys, ["hf-to-mcore", str(cut), str(tmp_path / "o")],
                     "model-00003-of-00007.safetensors is unreadable or truncated", "re-download")
     assert not (tmp_path / "o").exists()
+
+
+def test_weights_that_do_not_fit_the_config(tiny_hf_dir, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    other = _broken_copy(tiny_hf_dir, tmp_path / "cut_k")
+    weights = read_state_dict(other)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    weights[name] = weights[name][:-1].clone()
+    for shard in other.glob("*.safetensors"):
+        shard.unlink()
+    (other / INDEX).unlink(missing_ok=True)
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    _one_line_error(capsys, ["hf-to-mcore", str(other), str(tmp_path / "o")],
+                    f"{name} has shape", "decoder.layers.1.self_attention.linear_qkv.weight",
+                    "config.json and the weights disagree")
 
 
 def test_wrong_model_type_and_target_config(tiny_hf_dir, tmp_path, capsys):
