@@ -57,13 +57,10 @@ class GroupedExperts(MegatronModule):
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * ffn, hidden, **make))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn, **make))
         self._init_weights(config)
-        for name, param in (("weight1", self.weight1), ("weight2", self.weight2)):
+        for name, (_, tp_dim) in _LINEARS.items():
             # what megatron's DDP, optimizer and grad-norm code read (as on SequentialMLP's linears)
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = (
-                True,
-                1 + _LINEARS[name][1],
-                1,
-            )
+            param = getattr(self, name)
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, tp_dim + 1, 1
             param.allreduce = not config.expert_model_parallel_size > 1
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stack_per_expert_state_dict)
@@ -83,7 +80,7 @@ class GroupedExperts(MegatronModule):
     def forward(
         self, hidden_TH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_T: torch.Tensor
     ):
-        """Rows sorted by local expert -> (expert outputs [T, H] unweighted-sum-ready, None bias)."""
+        """Rows sorted by local expert -> (outputs [T, H] weighted by the router probs, no bias)."""
         fc1_TN = grouped_linear(hidden_TH, self.weight1, tokens_per_expert, self.gemm)
         act_TF = _weighted_swiglu(fc1_TN, probs_T.unsqueeze(-1), self.config.bias_activation_fusion)
         return grouped_linear(
