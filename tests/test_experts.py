@@ -3,6 +3,7 @@ DotProductAttention (fp32, world size 1): kernels, modules, checkpoint interchan
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from backend.grouped_gemm import grouped_linear, resolve_impl
 from backend.hf_config import load_qwen3_moe_spec
@@ -212,3 +213,73 @@ def test_bad_expert_settings(world1, spec):
         BuildOptions(experts="fused").resolved_experts()
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         BuildOptions(attention="flash").resolved_attention()
+
+
+class _ReferenceTorchNpu:
+    """torch_npu's two kernels as documented, in plain torch: checks our call wiring (layouts,
+    group arguments, the backward's two GEMMs) on CPU; the kernels themselves need Ascend."""
+
+    @staticmethod
+    def npu_grouped_matmul(xs, ws, *, group_list, group_type, group_list_type, split_item):
+        assert group_list_type == 1 and split_item == 3 and len(xs) == len(ws) == 1
+        (x,), (w,), counts = xs, ws, group_list.tolist()
+        if group_type == 0:  # split the rows of x: y_g = x_g @ w[g]
+            return [torch.cat([xg @ w[g] for g, xg in enumerate(x.split(counts))])]
+        assert group_type == 2  # split the reduction axis: out[g] = x[:, k_g] @ w[k_g, :]
+        return [
+            torch.stack([a @ b for a, b in zip(x.split(counts, 1), w.split(counts), strict=True)])
+        ]
+
+    @staticmethod
+    def npu_fusion_attention(
+        q, k, v, head_num, layout, *, atten_mask, scale, keep_prob, sparse_mode
+    ):
+        assert layout == "SBH" and keep_prob == 1.0
+        s, b = q.shape[:2]
+        q4, k4, v4 = (
+            t.reshape(t.shape[0], b, -1, q.shape[-1] // head_num).permute(1, 2, 0, 3)
+            for t in (q, k, v)
+        )
+        if sparse_mode == 2:  # compressed causal mask: its [s, s] corner
+            assert atten_mask.shape == (2048, 2048)
+            atten_mask = atten_mask[:s, :s]
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=~atten_mask, scale=scale, enable_gqa=True
+        )
+        return (out.permute(2, 0, 1, 3).reshape(s, b, -1),)
+
+
+def test_npu_paths_against_reference_kernels(monkeypatch, pair):
+    import sys
+
+    from backend.forward import causal_mask
+    from backend.grouped_gemm import _NpuGroupedLinear
+
+    monkeypatch.setitem(sys.modules, "torch_npu", _ReferenceTorchNpu())
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(4, 24, 16, requires_grad=True)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y, y_ref = (
+        _NpuGroupedLinear.apply(x, w, counts),
+        _reference_grouped(x_ref, w_ref, counts.tolist()),
+    )
+    grad = torch.randn_like(y_ref)
+    y.backward(grad)
+    y_ref.backward(grad)
+    for ours, ref in ((y, y_ref), (x.grad, x_ref.grad), (w.grad, w_ref.grad)):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+    attention = pair[1].decoder.layers[0].self_attention.core_attention
+    q, k, v = _attention_inputs(d=attention.config.kv_channels)
+    expected = attention(q, k, v, causal_mask(q.shape[0]))
+    torch.testing.assert_close(
+        attention._npu(q, k, v, None, causal=True), expected, rtol=0, atol=1e-6
+    )
+    padding = causal_mask(q.shape[0]) | torch.tensor([False] * 9 + [True] * 3)
+    torch.testing.assert_close(
+        attention._npu(q, k, v, padding, causal=False),
+        attention(q, k, v, padding),
+        rtol=0,
+        atol=1e-6,
+    )
