@@ -119,23 +119,22 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
     )
 
 
-def layer_spec(num_experts: int, kind: str, opts: "BuildOptions | None" = None,
-               groups: ProcessGroups | None = None):
+def layer_spec(num_experts: int, opts: BuildOptions, groups: ProcessGroups):
     """Layer spec: TransformerEngine modules ('te') or megatron-core's local ones ('local'),
     the latter with our grouped experts / SDPA attention swapped in as `opts` asks."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if kind == "te":
+    if opts.resolved_spec() == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=True
         )
     spec = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
-    return _with_fast_modules(spec, opts or BuildOptions(), groups)
+    return _with_fast_modules(spec, opts, groups)
 
 
-def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups | None):
+def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from backend.attention import SDPAttention
@@ -146,8 +145,6 @@ def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups | None):
         attention = replace(layer.self_attention.submodules, core_attention=SDPAttention)
         layer = replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
     if opts.resolved_experts() == "grouped":
-        if groups is None:
-            raise ValueError("grouped experts need the process groups: pass groups to layer_spec")
         experts = ModuleSpec(module=GroupedExperts, params={"groups": groups, "gemm": opts.grouped_gemm})
         moe = replace(layer.mlp.submodules, experts=experts)
         layer = replace(layer, mlp=replace(layer.mlp, submodules=moe))
@@ -164,7 +161,7 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
     pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.num_experts, opts.resolved_spec(), opts, groups),
+        transformer_layer_spec=layer_spec(spec.num_experts, opts, groups),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pp_rank == 0,
