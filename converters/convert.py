@@ -117,7 +117,7 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def param_bytes(layout: Layout) -> int:
-    return sum(torch.Size(s).numel() for s in layout.shapes.values()) * layout.dtype.itemsize
+    return sum(map(layout.nbytes, layout.shapes))
 
 
 def _bar(total: int, desc: str, progress: bool) -> tqdm:
@@ -153,7 +153,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: s
 
     try:
         with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "hf-to-mcore", progress) as bar, \
-                ReadAhead(layout.pieces, materialize) as params:
+                ReadAhead(layout.pieces, materialize, layout.nbytes) as params:
             save_streaming(layout, params, tmp, bar.update)
             shutil.copy2(hf_dir / "config.json", tmp / HF_CONFIG)
             manifest.write(tmp, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
@@ -198,13 +198,23 @@ def read_param(reader: DistReader, layout: Layout, name: str) -> torch.Tensor:
     return param
 
 
-def hf_tensors(reader: DistReader, layout: Layout, spec: Qwen3MoeSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (hub layout) tensors in model order, one parameter read at a time."""
+def hf_tensors(reader: DistReader, layout: Layout, spec: Qwen3MoeSpec,
+               manifest: ManifestWriter) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (hub layout) tensors in model order, read ahead of the caller and queued for
+    hashing as they are read (the hashing goes on while the caller's writes wait)."""
     rows = table(spec)
-    with ReadAhead(layout.shapes, lambda name: read_param(reader, layout, name)) as params:
+
+    def load(name: str) -> list[tuple[str, torch.Tensor]]:
+        row, hf = rows[name]
+        tensors = [(h, t.to(layout.dtype)) for h, t in
+                   zip(hf, split_row(row, read_param(reader, layout, name), spec), strict=True)]
+        for h, t in tensors:
+            manifest.add(h, t)
+        return tensors
+
+    with ReadAhead(layout.shapes, load, layout.nbytes) as params:
         for name in layout.shapes:
-            row, hf = rows[name]
-            yield from zip(hf, split_row(row, params(name), spec), strict=True)
+            yield from params(name)
 
 
 def hf_specs(layout: Layout, spec: Qwen3MoeSpec) -> list[TensorSpec]:
@@ -244,9 +254,7 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
         with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "mcore-to-hf", progress) as bar:
             writer = ShardedWriter(tmp, specs, max_shard_bytes)
             try:
-                for name, tensor in hf_tensors(reader, layout, spec):
-                    tensor = tensor.to(layout.dtype)
-                    manifest.add(name, tensor)  # first: it hashes while this thread writes
+                for name, tensor in hf_tensors(reader, layout, spec, manifest):
                     writer.write(name, tensor)
                     bar.update(tensor.nbytes)
                 writer.close()

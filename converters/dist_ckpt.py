@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from converters.layout import Layout
-from converters.output import OutputFile
+from converters.output import open_output
 
 DATA_FILE = f"__0_0{DEFAULT_SUFFIX}"
 METADATA = ".metadata"
@@ -78,7 +78,7 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
     """Objects, then every parameter's chunks in model order; then `.metadata`."""
     state: dict = {key: BytesStorageMetadata() for key in objects}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    with no_zip_crc32(), OutputFile(root / DATA_FILE) as stream:
+    with no_zip_crc32(), open_output(root / DATA_FILE) as stream:
 
         def record(index: MetadataIndex, write: Callable[[], object]) -> None:
             start = stream.tell()

@@ -17,7 +17,7 @@ from converters.hf_io import INDEX, SINGLE
 from converters.hf_source import DTYPE_NAMES
 from converters.manifest import NAME as MANIFEST
 from converters.manifest import tensor_bytes
-from converters.output import OutputFile
+from converters.output import open_output
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_INDEXES = (INDEX, "pytorch_model.bin.index.json", MANIFEST)
@@ -47,7 +47,7 @@ def plan_shards(tensors: list[TensorSpec], max_shard_bytes: int) -> list[list[Te
     return shards
 
 
-def _header(shard: list[TensorSpec]) -> bytes:
+def shard_header(shard: list[TensorSpec]) -> bytes:
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in shard:
         entries[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
@@ -56,6 +56,15 @@ def _header(shard: list[TensorSpec]) -> bytes:
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(raw)) + raw
+
+
+def write_index(out_dir: Path, files: list[str], shards: list[list[TensorSpec]]) -> None:
+    """index.json of a checkpoint of several shards (a single file needs none)."""
+    if len(files) > 1:
+        weight_map = {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard}
+        total = sum(t.nbytes for shard in shards for t in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (Path(out_dir) / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 class ShardedWriter:
@@ -81,8 +90,8 @@ class ShardedWriter:
     def _open(self, shard: int) -> None:
         self._finish_file()
         self._shard = shard
-        self._stream = OutputFile(self.out / self.files[shard])
-        self._stream.write(_header(self.shards[shard]))
+        self._stream = open_output(self.out / self.files[shard])
+        self._stream.write(shard_header(self.shards[shard]))
 
     def _finish_file(self) -> None:
         if self._stream is not None:
@@ -94,11 +103,7 @@ class ShardedWriter:
         if self._next != len(self._queue):
             raise AssertionError(f"writer got {self._next} of {len(self._queue)} tensors")
         self._finish_file()
-        if len(self.files) > 1:
-            weight_map = {t.name: f for f, shard in zip(self.files, self.shards, strict=True) for t in shard}
-            total = sum(t.nbytes for shard in self.shards for t in shard)
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(self.out, self.files, self.shards)
 
     def abort(self) -> None:
         if self._stream is not None:

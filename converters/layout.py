@@ -41,6 +41,9 @@ class Layout:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
 
+    def nbytes(self, name: str) -> int:
+        return torch.Size(self.shapes[name]).numel() * self.dtype.itemsize
+
 
 def world1_groups():
     """megatron-core parallel state at world size 1: the layout must be the unsharded one."""
