@@ -276,10 +276,15 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    emit(report, args.json)
+
+
+def emit(report: dict, json_path: str | None) -> None:
+    """The report on stdout, and in json_path when given."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -145,10 +145,7 @@ def main() -> None:
         "bytes": nbytes, "copy": copies, **runs, "disk_gb": disk, "dig_holes_s": dig_s,
         "verify_s": verify_s, "verify": (verify.stdout + verify.stderr).strip().splitlines()[-1:],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    bench.emit(report, args.json)
 
 
 if __name__ == "__main__":
