@@ -5,7 +5,8 @@ times against each other, on the same bytes: a plain copy of the shards (shutil.
 fsync), `python -m converters hf-to-mcore` and `mcore-to-hf` (separate processes set up as
 `python -m converters` sets itself up; peak RSS from the child's VmHWM and a psutil
 sampler). Copies and conversions alternate for --repeats rounds and medians are reported
-(on a shared VM one copy of the same bytes took anywhere from 1.5 to 3.2 s).
+(on a shared VM one copy of the same bytes took anywhere from 1.5 to 3.2 s). Each step
+reads its input cold: earlier writes are flushed and the input dropped from the page cache.
 
 Each conversion is split into start-up (process start, imports, layout, checks), the data
 phase (first parameter read to the output renamed into place) and exit, and compared with
@@ -95,10 +96,24 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def start_cold(source: Path) -> None:
+    """Flush earlier writes and drop `source`'s files from the page cache, so every measured
+    step reads its input from the disk: as a real checkpoint (57 GB against 23 GiB of RAM)
+    is read, and the same for the copy and both conversions whatever wrote their input."""
+    os.sync()  # also: no writeback of an earlier step in this one's time
+    for path in source.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def copy_baseline(src: Path, dst: Path) -> dict:
     """Copy the shards (sendfile, in the kernel) and fsync them."""
     dst.mkdir()
-    os.sync()
+    start_cold(src)
     start, cpu = time.perf_counter(), _cpu()
     for f in sorted(src.glob("*.safetensors")):
         shutil.copyfile(f, dst / f.name)
@@ -107,9 +122,10 @@ def copy_baseline(src: Path, dst: Path) -> dict:
     return {"seconds": time.perf_counter() - start, "cpu_s": _cpu() - cpu}
 
 
-def run_measured(argv: list[str]) -> dict:
-    """Run a child; its wall time, CPU time and peak RSS (its VmHWM, and a 20 ms psutil sampler)."""
-    os.sync()  # no writeback of an earlier step in this one's time
+def run_measured(argv: list[str], source: Path) -> dict:
+    """Run a child reading `source`; its wall time, CPU time and peak RSS (its VmHWM, and a
+    20 ms psutil sampler)."""
+    start_cold(source)
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak, done = [0], threading.Event()
@@ -242,11 +258,11 @@ def main() -> None:
             shutil.rmtree(stale.pop(0))
             copies.append(copy_baseline(src, copy))
             shutil.rmtree(copy)
-            runs["hf_to_mcore"].append(run_measured(me + ["hf-to-mcore", str(src), str(dist)]))
+            runs["hf_to_mcore"].append(run_measured(me + ["hf-to-mcore", str(src), str(dist)], src))
             shutil.rmtree(stale.pop(0))
             copies.append(copy_baseline(src, copy))
             shutil.rmtree(copy)
-            runs["mcore_to_hf"].append(run_measured(me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)]))
+            runs["mcore_to_hf"].append(run_measured(me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)], dist))
             stale = [back, dist]
         load.append(os.getloadavg()[0])
         verify = subprocess.run([sys.executable, "-m", "converters", "verify", str(src), str(back)],
