@@ -9,6 +9,9 @@ unpickler that admits only DCP's metadata classes and torch dtypes/sizes.
 import io
 import json
 import pickle
+import struct
+import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -87,6 +90,7 @@ class DistReader:
         self.tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset or ())): s for i, s in meta.storage_data.items()}
         self._buckets = {key: _bucket_chunks(md.chunks) for key, md in self.tensors.items()}
+        self._native: dict[Path, bool] = {}  # data file -> written in this machine's byte order
 
     def _check_backend(self) -> None:
         config = self.root / CONFIG
@@ -140,11 +144,40 @@ class DistReader:
             raise ConversionError(f"{info.relative_path} in {self.root} is truncated: re-save the checkpoint")
         with open(path, "rb", buffering=0) as f:
             chunk = _Slice(f, info.offset, info.length)
-            if out is not None and out.is_contiguous() and _load_into(chunk, out):
-                return out
-            chunk.seek(0)
-            data = torch.load(chunk, map_location="cpu", weights_only=True)
-            return data if out is None else out.copy_(data.reshape(out.shape))
+            if path not in self._native:  # one file, one writer: checked on its first chunk
+                self._native[path] = native_byte_order(chunk)
+            return read_slice(chunk, out, self._native[path])
+
+
+def read_slice(chunk: "_Slice", out: torch.Tensor | None, native: bool) -> torch.Tensor:
+    """A torch.save'd tensor; into `out` (contiguous, its dtype and size) when given. Its
+    bytes go straight into `out` when they are in this machine's byte order (`native`);
+    otherwise torch.load reads it (and swaps them)."""
+    chunk.seek(0)
+    if native and out is not None and out.is_contiguous() and _load_into(chunk, out):
+        return out
+    chunk.seek(0)
+    data = torch.load(chunk, map_location="cpu", weights_only=True)
+    return data if out is None else out.copy_(data.reshape(out.shape))
+
+
+def native_byte_order(chunk: "_Slice") -> bool:
+    """Whether a torch.save'd chunk holds its data in this machine's byte order (its
+    `byteorder` record; torch.load takes a file without one as little-endian)."""
+    with zipfile.ZipFile(chunk) as z:
+        record = next((i for i in z.infolist() if i.filename.rsplit("/", 1)[-1] == "byteorder"), None)
+    order = "little" if record is None else _stored_record(chunk, record).decode()
+    chunk.seek(0)
+    return order == sys.byteorder
+
+
+def _stored_record(f, info: zipfile.ZipInfo) -> bytes:
+    """An uncompressed zip record's bytes, read past its local header (zipfile's own read
+    would check a CRC-32 that torch.save may leave out)."""
+    f.seek(info.header_offset)
+    name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+    f.seek(info.header_offset + 30 + name_len + extra_len)
+    return f.read(info.file_size)
 
 
 def _load_into(chunk: "_Slice", out: torch.Tensor) -> bool:
