@@ -41,25 +41,12 @@ Model FLOPs per step (matmuls only, forward + backward = 3 x forward = 6 x MACs)
     6 * tokens * (layers * (q, k, v, o projections + top_k experts * 3 GEMMs + router) + H * V)
   + 6 * tokens * layers * heads * head_dim * seq      (q k^T and p v, halved for causality)
 
---breakdown (mcore systems): one more step under torch.profiler. Forward pre/post hooks on
-the modules open and close a record_function range per phase:
-    attention_core  self_attention.core_attention
-    attention_proj  self_attention.linear_qkv, linear_proj
-    router          mlp.router
-    experts         mlp.experts
-    moe_dispatch    the rest of the MoE layer `mlp`: the token dispatcher (not a Module) and
-                    the permute / unpermute around the experts
-    lm_head_loss    output_layer, plus the loss (token_log_probs and the mean)
-    other           everything outside these: embedding, norms, rotary, residual adds,
-                    gradient accumulation
-Each op's own time (on GPU the CUDA kernels it launched, on CPU its self CPU time) goes to
-the innermost range it ran under. Backward ops run under an autograd node whose sequence
-number is that of the forward op that created it, so they go to that forward op's phase.
-phases_ms sums to total_ms (busy time; below step_ms on GPU, which also holds idle gaps).
+--breakdown (mcore systems): one more step under torch.profiler, its time split into phases
+(attention core / projections, router, experts, MoE dispatch, LM head + loss, other): see
+step_phases.py.
 """
 
 import argparse
-import bisect
 import dataclasses
 import gc
 import importlib.metadata
@@ -76,6 +63,9 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_phases import PHASE_PREFIX, profile_phases  # noqa: E402  (same directory)
 
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -101,19 +91,6 @@ DEFAULT_PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16, datasheet
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 1024**3
 
-PHASE_PREFIX = "step_bench/"
-BACKWARD_NODE = "autograd::engine::evaluate_function: "
-MODULE_PHASES = (  # module name suffix -> phase; the first match wins
-    (".self_attention.core_attention", "attention_core"),
-    (".self_attention.linear_qkv", "attention_proj"),
-    (".self_attention.linear_proj", "attention_proj"),
-    (".mlp.router", "router"),
-    (".mlp.experts", "experts"),
-    (".mlp", "moe_dispatch"),
-    (".output_layer", "lm_head_loss"),
-)
-PHASES = ("attention_core", "attention_proj", "router", "experts", "moe_dispatch",
-          "lm_head_loss", "other")
 
 
 # ---------------------------------------------------------------- shape and FLOPs
@@ -266,7 +243,7 @@ def run_system(name: str, ctx: dict, args) -> dict:
     result.update(speed(time_steps(step, device, args.warmup, args.iters), ctx))
     result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3) if device == "cuda" else None
     if args.breakdown and name in MCORE_SYSTEMS:
-        result["breakdown"] = profile_phases(model, step, device)
+        result["breakdown"] = profile_phases(model, step, device, synchronize)
     return result
 
 
@@ -280,114 +257,6 @@ def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------- --breakdown
-
-def module_phase(name: str) -> str | None:
-    dotted = "." + name
-    return next((phase for suffix, phase in MODULE_PHASES if dotted.endswith(suffix)), None)
-
-
-class PhaseRanges:
-    """record_function ranges around the modules of each phase, via forward pre/post hooks."""
-
-    def __init__(self, model):
-        self.open, self.handles = [], []
-        for name, module in model.named_modules():
-            phase = module_phase(name)
-            if phase:
-                self.handles.append(module.register_forward_pre_hook(self._enter_hook(phase)))
-                self.handles.append(module.register_forward_hook(self._exit_hook))
-
-    def _enter_hook(self, phase: str):
-        def enter(module, args):
-            scope = torch.profiler.record_function(PHASE_PREFIX + phase)
-            scope.__enter__()
-            self.open.append(scope)
-        return enter
-
-    def _exit_hook(self, module, args, output):
-        self.open.pop().__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def enclosing(event) -> tuple[str, object]:
-    """('forward', phase or None) or ('backward', autograd sequence number) of an op."""
-    node = event
-    while node is not None:
-        if node.name.startswith(PHASE_PREFIX):
-            return "forward", node.name.removeprefix(PHASE_PREFIX)
-        if node.name.startswith(BACKWARD_NODE):
-            return "backward", node.sequence_nr
-        node = node.cpu_parent
-    return "forward", None
-
-
-def own_time_us(event, on_gpu: bool) -> float:
-    """GPU: the kernels this op launched itself; CPU: its self CPU time (ranges included)."""
-    if on_gpu:
-        return 0.0 if event.is_user_annotation else sum(k.duration for k in event.kernels)
-    return event.self_cpu_time_total
-
-
-def phase_times_us(events, on_gpu: bool) -> dict[str, float]:
-    """Own time of every op summed per phase; backward ops take their forward op's phase."""
-    from torch.autograd import DeviceType
-
-    ops = sorted((e for e in events if e.device_type == DeviceType.CPU and not e.is_async),
-                 key=lambda e: e.time_range.start)
-    places = [(op, enclosing(op)) for op in ops]
-    seq_phase = {}  # the last forward op seen with a sequence number is the node's creator
-    for op, (direction, phase) in places:
-        if direction == "forward" and op.sequence_nr >= 0:
-            seq_phase[op.sequence_nr] = phase
-    recorded = sorted(seq_phase)
-    totals = dict.fromkeys(PHASES, 0.0)
-    for op, (direction, where) in places:
-        phase = backward_phase(where, seq_phase, recorded) if direction == "backward" else where
-        totals[phase or "other"] += own_time_us(op, on_gpu)
-    return totals
-
-
-def backward_phase(seq: int, seq_phase: dict, recorded: list[int]) -> str | None:
-    """Phase of the forward op that created autograd node `seq`. Nodes no recorded op owns
-    (CopySlices / AsStrided of in-place writes into views) take the phase of the closest earlier
-    one; AccumulateGrad (seq -1) has none."""
-    if seq < 0:
-        return None
-    if seq in seq_phase:
-        return seq_phase[seq]
-    i = bisect.bisect_right(recorded, seq) - 1
-    return seq_phase[recorded[i]] if i >= 0 else None
-
-
-def profile_phases(model, step, device: str) -> dict:
-    """Time per phase of one profiled step (see the module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    ranges = PhaseRanges(model)
-    try:
-        with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            step_ms = (time.perf_counter() - start) * 1e3
-    finally:
-        ranges.remove()
-    totals = phase_times_us(prof.events(), on_gpu)
-    total = sum(totals.values())
-    return dict(
-        clock="cuda kernel time" if on_gpu else "cpu self time",
-        step_ms=round(step_ms, 3), total_ms=round(total / 1e3, 3),
-        phases_ms={k: round(v / 1e3, 3) for k, v in totals.items()},
-        phases_pct={k: round(100 * v / total, 1) if total else None for k, v in totals.items()},
-    )
 
 
 # ---------------------------------------------------------------- run
