@@ -25,7 +25,9 @@ Saved for backward by one layer, per token (values of b bytes unless noted):
     head in place of the rotated k (2q - kv) and the softmax probabilities (heads * seq_len),
     instead of the flash kernels' fp32 log-sum-exp; the s x s boolean mask (shared by all
     layers) is left out;
-  - unfused SwiGLU, per routed token: the SiLU output, linear half and gated product (3f/etp).
+  - unfused SwiGLU, per routed token: megatron-core's MLP keeps three f-sized tensors
+    (3f/etp), ours (silu(gate) * up * prob) two, the SiLU output and the product before
+    the prob (2f/etp).
 With full recompute (megatron's "full"/"uniform", one layer per checkpoint) a layer keeps
 only its input, h on T/(tp*cp) tokens, and one layer at a time is re-run in backward.
 
@@ -45,6 +47,7 @@ class Kernels:
     flash_attention: bool = True  # flash / fused attention: no s x s probabilities, GQA K/V as is
     fused_swiglu: bool = True  # megatron's (weighted) bias_swiglu fusion: keeps only the fc1 output
     fused_norm_rope: bool = False  # TE's fused RMSNorm and RoPE: no normalized or split copies
+    unfused_swiglu_values: int = 3  # f-sized tensors an unfused SwiGLU keeps (megatron's 3, ours 2)
 
 
 # what backend.model builds on accelerators: our SDPAttention and GroupedExperts with megatron's
@@ -52,7 +55,7 @@ class Kernels:
 ACCELERATOR_KERNELS = Kernels()
 # megatron-core's local spec on CPU (the reference modules), and our modules on CPU
 LOCAL_SPEC_KERNELS = Kernels(flash_attention=False, fused_swiglu=False)
-OURS_ON_CPU_KERNELS = Kernels(flash_attention=True, fused_swiglu=False)
+OURS_ON_CPU_KERNELS = Kernels(flash_attention=True, fused_swiglu=False, unfused_swiglu_values=2)
 TE_KERNELS = Kernels(fused_norm_rope=True)
 
 
@@ -75,7 +78,7 @@ def attention_side_bytes_per_token(spec: Qwen3MoeSpec, b: int, kernels: Kernels,
 def expert_side_bytes_per_routed_token(spec: Qwen3MoeSpec, etp: int, b: int,
                                        kernels: Kernels) -> float:
     f = spec.moe_ffn_hidden_size / etp
-    values = spec.hidden_size + 3 * f + (0 if kernels.fused_swiglu else 3 * f)
+    values = spec.hidden_size + 3 * f + (0 if kernels.fused_swiglu else kernels.unfused_swiglu_values * f)
     return values * b + 4
 
 
