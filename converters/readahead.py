@@ -14,9 +14,8 @@ class ReadAhead:
 
     Loads run in order on one worker thread (file reads and hashing release the GIL), up
     to `ahead_bytes` of values beyond the caller's (at least one). A parameter is small
-    (one expert's weight: 3-6 MB), so a single one in flight left the reads, and the
-    hashing fed by them, idle whenever the caller's write waited for the disk; 256 MB
-    ahead keeps them busy through such stalls.
+    (one expert's weight: 3-6 MB): with a single one in flight, the reads and the hashing
+    fed by them would wait whenever the caller's write waits for the disk.
     """
 
     def __init__(self, names: Iterable[str], load: Callable[[str], T], nbytes: Callable[[str], int],
