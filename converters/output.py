@@ -35,9 +35,9 @@ WRITEBACK_STEP = 64 << 20
 SYNC_FILE_RANGE_WRITE = 2
 
 
-def open_output(path: str | Path, direct: bool = True) -> "DirectOutput | BufferedOutput":
+def open_output(path: str | Path) -> "DirectOutput | BufferedOutput":
     """The file at `path`, created or truncated; O_DIRECT where the file system allows it."""
-    if direct and hasattr(os, "O_DIRECT"):
+    if hasattr(os, "O_DIRECT"):
         try:
             return DirectOutput(path)
         except OSError:  # EINVAL: the file system does not do O_DIRECT
