@@ -206,8 +206,8 @@ def hf_tensors(reader: DistReader, layout: Layout, spec: Qwen3MoeSpec,
 
     def load(name: str) -> list[tuple[str, torch.Tensor]]:
         row, hf = rows[name]
-        tensors = [(h, t.to(layout.dtype)) for h, t in
-                   zip(hf, split_row(row, read_param(reader, layout, name), spec), strict=True)]
+        # read_param gives layout.dtype (any --dtype cast included), and its split keeps it
+        tensors = list(zip(hf, split_row(row, read_param(reader, layout, name), spec), strict=True))
         for h, t in tensors:
             manifest.add(h, t)
         return tensors
