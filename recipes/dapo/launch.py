@@ -10,15 +10,17 @@ Everything after `--` passes through as verl overrides (or local-run flags).
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.dapo import cluster, data, overrides
 from recipes.dapo.cluster import LaunchError
 
-DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100"}
+DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp")
+LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 120, 40
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,10 +74,10 @@ class Resolved:
             f"DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on {DEVICE_LABELS[run.device]} "
             f"x {run.plan.world}",
             f"plan: {run.plan.describe()}",
-            "memory (parallel/ model):",
         ]
-        lines += [f"  {line}" for line in run.fit.lines()]
-        lines += self._layout_and_warnings()
+        if self.model_fit is not None:  # the memory model is for accelerators
+            lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
+            lines += self._layout_and_warnings()
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
         if self.replaced:
@@ -182,8 +184,14 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     return Resolved(run, model_fit, groups, replaced)
 
 
-def local_command(args, extra: list[str]) -> list[str]:
-    """The embedded CPU run: recipes.local.dapo with the flags it shares with the cluster run."""
+def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
+    """The embedded run: the same overrides on the tiny model and task (recipes.local)."""
+    import math
+
+    from parallel.plan import ParallelPlan
+    from recipes.dapo.fit import Fit
+    from recipes.local import run as local
+
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]
     if given:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
@@ -191,15 +199,35 @@ def local_command(args, extra: list[str]) -> list[str]:
             f"{flags} configure a cluster run: add --device npu or cuda "
             "(this machine has no accelerator; the local run uses the tiny model)"
         )
-    module = "recipes.local.dapo"
-    flags = {"--tp": args.tp, "--ep": args.ep, "--steps": args.steps, "--seed": args.seed,
-             "--out": args.ckpt_dir}
-    switches = ["--resume"] if args.resume else []
-    cmd = [sys.executable, "-m", module]
-    for flag, value in flags.items():
-        if value is not None:
-            cmd += [flag, str(value)]
-    return cmd + switches + extra
+    tp, ep = args.tp or 1, args.ep or 1
+    if tp < 1 or ep < 1:
+        raise LaunchError(f"--tp {tp} --ep {ep}: both must be >= 1")
+    world = math.lcm(tp, ep)  # dp: the smallest that lets the experts fold over the ranks
+    plan = ParallelPlan(nodes=1, devices_per_node=world, tp=tp, ep=ep)
+    out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
+    if not args.resume and not args.dry_run:
+        _start_over(out)
+    hf_dir, files = local.prepare(out, seed=args.seed or 0)
+    # nominal: the CPU rollout reads no memory fraction and there is nothing to offload to
+    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=False, optimizer_offload=False)
+    run = overrides.RunSpec(
+        "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
+        str(out / "checkpoints"), local.job_env(cluster.REPO, out),
+        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
+    )  # fmt: skip
+    groups, replaced = overrides.merge(overrides.build(run), extra)
+    return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _start_over(out: Path) -> None:
+    """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
+    import shutil
+
+    old = [out / "checkpoints", out / "metrics.jsonl", out / "tensorboard"]
+    if any(p.exists() for p in old):
+        print(f"starting over in {out} (add --resume to continue the run there)")
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = pick_device(args.device)
         if device == "cpu":
-            cmd = local_command(args, extra)
-            print("local run (no accelerator): " + " ".join(cmd))
-            return 0 if args.dry_run else cluster.run_command(cmd, {})
+            t0 = time.perf_counter()
+            resolved, out, hf_dir = resolve_local(args, extra)
+            print(resolved.describe())
+            if args.dry_run:
+                return 0
+            from recipes.local.run import run
+
+            return run(resolved, out, hf_dir, t0)
         resolved = resolve(args, device, extra)
         print(resolved.describe())
         if args.dry_run:

@@ -8,6 +8,7 @@ paths, environment) comes from a RunSpec.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from parallel.plan import ParallelPlan
 from recipes.dapo import BACKEND
@@ -47,7 +48,7 @@ ENGINE = f"+{ACTOR}.{BACKEND}"
 
 @dataclass(frozen=True)
 class RunSpec:
-    device: str  # npu (Ascend A2) | cuda (H100)
+    device: str  # npu (Ascend A2) | cuda (H100) | cpu (the embedded run)
     plan: ParallelPlan
     fit: Fit
     model: str
@@ -55,6 +56,9 @@ class RunSpec:
     val_file: str
     ckpt_dir: str
     env: dict[str, str]
+    steps: int | None = None  # trainer.total_training_steps (None: the epochs decide)
+    save_freq: int = DAPO["save_freq"]
+    repo: Path = Path(__file__).resolve().parents[2]
 
 
 def data(run: RunSpec) -> dict:
@@ -161,7 +165,7 @@ def reward(run: RunSpec) -> dict:
 
 
 def trainer(run: RunSpec) -> dict:
-    label = {"npu": "a2", "cuda": "h100"}[run.device]
+    label = {"npu": "a2", "cuda": "h100", "cpu": "cpu"}[run.device]
     return {
         "trainer.use_v1": True,
         "trainer.v1.trainer_mode": "sync",
@@ -181,7 +185,8 @@ def trainer(run: RunSpec) -> dict:
 
 def ray_env(run: RunSpec) -> dict:
     """Environment of every Ray worker of the job (verl's ray_init.runtime_env)."""
-    return {f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": v for k, v in run.env.items()}
+    # Ray wants str values: hydra would make HCCL_EXEC_TIMEOUT=3600 an int
+    return {f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": quoted(v) for k, v in run.env.items()}
 
 
 GROUPS = {
@@ -197,8 +202,14 @@ GROUPS = {
 
 
 def build(run: RunSpec) -> dict[str, dict]:
-    """{concern: {override key: value}}."""
-    return {name: make(run) for name, make in GROUPS.items()}
+    """{concern: {override key: value}}; on cpu the embedded run's few differences on top."""
+    groups = {name: make(run) for name, make in GROUPS.items()}
+    if run.device == "cpu":
+        from recipes.local.overrides import cpu_overrides
+
+        for group, values in cpu_overrides(run).items():
+            groups[group].update(values)
+    return groups
 
 
 def key_of(override: str) -> str:
@@ -237,7 +248,14 @@ def format_value(value) -> str:
         return "[" + ",".join(format_value(v) for v in value) + "]"
     if value is None:
         return "null"
+    if isinstance(value, str) and "," in value and value[:1] not in "{['":
+        return quoted(value)  # hydra would read a bare a,b as a list
     return str(value)
+
+
+def quoted(value: str) -> str:
+    """A hydra string literal: keeps "1800" a string and "a,b" one value."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _hydra_dict(d: dict) -> str:

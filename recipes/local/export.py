@@ -1,49 +1,66 @@
-"""Export the policy as an HF checkpoint (hub per-expert keys); check that transformers loads it."""
+"""The run's last checkpoint as an HF model, and a check that transformers reloads it exactly."""
 
-import shutil
+import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-
-from backend.distributed import ProcessGroups
-from backend.forward import forward_logits
-from converters.qwen3_moe import mcore_to_hf
-from converters.sharding import gather_full
-from recipes.local.rollout import full_vocab_logits
 
 
-def export_hf(model, groups: ProcessGroups, spec, config_dir: Path, out: Path) -> Path | None:
-    """Collective: gather the full weights; rank 0 writes safetensors + config.json to `out`."""
-    from safetensors.torch import save_file
+def latest_actor_checkpoint(root: Path) -> Path | None:
+    """<root>/global_step_N/actor with the largest N (verl's layout), or None."""
+    steps = [
+        (int(m.group(1)), p / "actor")
+        for p in root.glob("global_step_*")
+        if (m := re.fullmatch(r"global_step_(\d+)", p.name)) and (p / "actor" / "meta.json").is_file()
+    ]
+    return max(steps)[1] if steps else None
 
-    hf = mcore_to_hf(gather_full(model, groups, spec), spec)  # hub layout: one key per expert
-    if dist.get_rank(groups.world) != 0:
-        return None
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in hf.items()},
-        tmp / "model.safetensors",
-        metadata={"format": "pt"},
+
+def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:
+    """converters' mcore-to-hf of `actor` into `out`; max |logits| between the checkpoint in
+    megatron-core (world size 1) and the export in transformers, on task-like sequences."""
+    from converters.cli import main as converters_main
+
+    code = converters_main(
+        ["mcore-to-hf", str(actor), str(out), "--template", str(template), "--force", "--no-progress"]
     )
-    shutil.copy(config_dir / "config.json", tmp / "config.json")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    if code != 0:
+        raise RuntimeError(f"export of {actor} failed (converters exit {code})")
+    return out, _logits_diff(actor, out)
 
 
-def check_export(
-    model, groups: ProcessGroups, export_dir: Path | None, probe_BS: torch.Tensor
-) -> float | None:
-    """Collective: max |logits| difference between the mcore model and the reloaded export."""
-    with torch.no_grad():
-        logits_BSV = full_vocab_logits(forward_logits(model, probe_BS), groups)
-    if dist.get_rank(groups.world) != 0:
-        return None
-    from transformers import Qwen3MoeForCausalLM
+def _probe_BS(tokenizer) -> torch.Tensor:
+    texts = ["3+4=7", "9-5=4", "0+0=0"]
+    rows = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t[:-1]}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        + tokenizer.encode(t[-1], add_special_tokens=False)
+        for t in texts
+    ]
+    width = max(map(len, rows))
+    return torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
 
-    reloaded = Qwen3MoeForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return (logits_BSV - reloaded(probe_BS).logits).abs().max().item()
+
+@torch.no_grad()
+def _logits_diff(actor: Path, export: Path) -> float:
+    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+
+    from backend.device import prepare_device
+    from backend.distributed import destroy_parallel, init_parallel
+    from backend.forward import forward_logits
+    from backend.hf_config import load_qwen3_moe_spec
+    from backend.model import build_model
+    from recipes.dapo import weights
+
+    probe_BS = _probe_BS(AutoTokenizer.from_pretrained(export))
+    groups = init_parallel(prepare_device("cpu"))
+    try:
+        spec = load_qwen3_moe_spec(export)
+        model = build_model(spec, groups).eval()
+        weights.load_model(model, actor / weights.MODEL_DIR)
+        mcore_BSV = forward_logits(model, probe_BS)
+    finally:
+        destroy_parallel()
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    return (mcore_BSV - reloaded(probe_BS).logits).abs().max().item()

@@ -1,138 +1,243 @@
-"""Rollout with the megatron-core policy itself: n sampled responses per prompt.
+"""verl's rollout on CPU: `actor_rollout_ref.rollout.name=cpu`, served by transformers.
 
-Why not transformers or vLLM with synced weights: responses are a few tokens, so one forward
-of the prefix per new token (no KV cache) over all prompts x n at once costs a handful of
-tiny forwards, the weights are the ones being trained (nothing to sync or convert), and the
-TP/EP forward is exercised by generation as well. Every rank runs the same forwards (they
-are collective); rank 0's sampled tokens are broadcast so all ranks hold identical rollouts.
+Three pieces, in the places vLLM's take (verl/workers/rollout/vllm_rollout/):
+- `CpuReplica` (a verl RolloutReplica, registered with RolloutReplicaRegistry): starts one
+  `CpuRolloutServer` Ray actor per replica in the trainer process.
+- `CpuRolloutServer`: Qwen3MoeForCausalLM in fp32; `generate` (token in, token out) samples
+  one request at a time with a KV cache and returns each token's log-prob and, per position
+  and layer, the top-k experts the router picked (verl's `routed_experts` layout:
+  [prompt + response, layers, top_k]).
+- `CpuServerAdapter` (verl's BaseRollout inside each actor worker): `update_weights` takes
+  the engine's stream of HF-named full tensors (what vLLM's ServerAdapter gets) and ships
+  it to its server in buckets; the server loads the weights only from that stream.
 
-Sequences live in a fixed [N, S] buffer: prompt (P tokens, all prompts the same length),
-response slots (R), right padding up to a multiple of tp (sequence parallelism splits S).
-Causal attention makes the padding invisible to earlier positions.
+verl 0.9.1 has no register function for the in-process adapter: `get_rollout_class` reads
+the module-level dict `_ROLLOUT_REGISTRY` (verl/workers/rollout/base.py:89), so `register`
+adds one key there; tests/test_verl_cpu_stack.py fails if verl renames or reshapes it.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import asyncio
+import os
+from collections.abc import Iterable
 
+import ray
 import torch
-import torch.distributed as dist
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from backend.distributed import ProcessGroups
-from backend.forward import forward_logits
-
-
-@dataclass(frozen=True)
-class Layout:
-    prompt_len: int  # P
-    response_len: int  # R, the max response length
-    seq_len: int  # S >= P + R, a multiple of tp
-
-    @classmethod
-    def for_tp(cls, prompt_len: int, response_len: int, tp: int) -> "Layout":
-        total = prompt_len + response_len
-        return cls(prompt_len, response_len, -(-total // tp) * tp)
-
-    def response_cols(self) -> slice:
-        return slice(self.prompt_len, self.prompt_len + self.response_len)
-
-    def log_prob_cols(self) -> slice:
-        """Columns of next-token log-probs [N, S-1] that score the response tokens."""
-        return slice(self.prompt_len - 1, self.prompt_len - 1 + self.response_len)
+NAME = "cpu"
+BUCKET_BYTES = 64 << 20
 
 
-def full_vocab_logits(logits_NV: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
-    """Gather vocab-parallel logits [N, V/tp] into [N, V] on every TP rank."""
-    if groups.size("tp") == 1:
-        return logits_NV
-    parts = [torch.empty_like(logits_NV) for _ in range(groups.size("tp"))]
-    dist.all_gather(parts, logits_NV.contiguous(), group=groups.tp)
-    return torch.cat(parts, dim=-1)
+def _server_name(replica_rank: int, suffix: str = "") -> str:
+    return f"{NAME}_rollout_server_{replica_rank}{suffix}"
 
 
-def gumbel_sample(
-    logits_NV: torch.Tensor, temperature: float, gen: torch.Generator
-) -> torch.Tensor:
-    """A sample of softmax(logits / T) per row; draws a fixed number of uniforms (resumable RNG)."""
-    u_NV = torch.rand(logits_NV.shape, generator=gen, dtype=torch.float64).clamp_min(1e-300)
-    gumbel_NV = -torch.log(-torch.log(u_NV))
-    return (logits_NV.double() / temperature + gumbel_NV).argmax(-1)
+def _get(config, key, default=None):
+    return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
 
 
-def response_lengths(responses_NR: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Tokens up to and including the first EOS, or R when none (truncated)."""
-    is_eos_NR = responses_NR == eos_id
-    first_N = torch.where(is_eos_NR.any(-1), is_eos_NR.int().argmax(-1), responses_NR.shape[1] - 1)
-    return first_N + 1
+class CpuRolloutServer:
+    """One replica's model and sampler (a Ray actor; calls run one at a time, in order)."""
+
+    def __init__(self, config, model_config, replica_rank: int):
+        from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+
+        path = _get(model_config, "local_path") or _get(model_config, "path")
+        self.model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        self.stop_ids = {tokenizer.eos_token_id}
+        self.response_length = int(_get(config, "response_length"))
+        self.record_experts = bool(_get(config, "enable_rollout_routing_replay", False))
+        self.gen = torch.Generator().manual_seed(int(_get(config, "seed", 0)) + replica_rank)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.global_steps = None
+        self.weight_updates = 0
+        self._routing: list[torch.Tensor] = []
+        self._hooks = [
+            layer.mlp.gate.register_forward_hook(self._record_routing)
+            for layer in self.model.model.layers
+        ]
+
+    # ---- weights: only through verl's weight-update path --------------------------------
+
+    def receive_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        self.pending.update(named)
+        return len(self.pending)
+
+    def finish_weights(self, global_steps=None) -> int:
+        """Load the whole received set (HF hub names) into the model; strict: all or nothing."""
+        from converters.qwen3_moe import fuse_experts
+
+        state = fuse_experts(self.pending)
+        self.pending = {}
+        self.model.load_state_dict(state, strict=True)
+        self.weight_updates += 1
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return self.weight_updates
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def _record_routing(self, module, inputs, output) -> None:
+        self._routing.append(output[2])  # router_indices [T, top_k]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids, sampling_params: dict, request_id: str, **unused
+    ) -> TokenOutput:
+        from transformers import DynamicCache
+
+        temperature = float(sampling_params.get("temperature", 1.0))
+        max_new = min(int(sampling_params.get("max_tokens") or self.response_length),
+                      self.response_length)  # fmt: skip
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        cache, tokens, log_probs, routed = DynamicCache(), [], [], []
+        for _ in range(max_new):
+            self._routing.clear()
+            logits_V = self.model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            routed.append(torch.stack(self._routing, dim=1))  # [T, layers, top_k]
+            token, log_prob = self._sample(logits_V.double(), temperature)
+            tokens.append(token)
+            log_probs.append(log_prob)
+            if token in self.stop_ids:
+                break
+            ids = torch.tensor([[token]])
+        experts = torch.cat(routed)
+        experts = torch.cat((experts, experts.new_zeros(1, *experts.shape[1:])))  # last: never fed
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=log_probs if sampling_params.get("logprobs") else None,
+            routed_experts=experts.to(torch.int16).numpy() if self.record_experts else None,
+            stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    def _sample(self, logits_V: torch.Tensor, temperature: float) -> tuple[int, float]:
+        """A token of softmax(logits / T) (greedy at T = 0) and its log-prob under that law."""
+        if temperature <= 0:
+            token = int(logits_V.argmax())
+            return token, float(torch.log_softmax(logits_V, -1)[token])
+        log_p_V = torch.log_softmax(logits_V / temperature, -1)
+        token = int(torch.multinomial(log_p_V.exp(), 1, generator=self.gen))
+        return token, float(log_p_V[token])
+
+    # ---- what verl's replica and trainer call; nothing to free on CPU -------------------
+
+    def wake_up(self, tags=None):
+        return None
+
+    def sleep(self):
+        return None
+
+    def clear_kv_cache(self):
+        return None
+
+    def release_kv_cache(self):
+        return None
+
+    def resume_kv_cache(self):
+        return None
+
+    def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
+        return {"aborted_count": 0, "request_ids": []}
+
+    def resume_generation(self):
+        return None
+
+    def start_profile(self, **kwargs):
+        return None
+
+    def stop_profile(self):
+        return None
+
+    def weight_update_count(self) -> int:
+        return self.weight_updates
 
 
-def _new_tokens(shape, prompt_len: int, t: int, done_N: torch.Tensor) -> torch.Tensor:
-    """Positions the t-th decode forward adds: the prompt first, then each live row's last token."""
-    new_NS = torch.zeros(shape, dtype=torch.bool)
-    if t == 0:
-        new_NS[:, :prompt_len] = True
+class CpuReplica(RolloutReplica):
+    """One server per replica, placed anywhere (it needs no accelerator)."""
+
+    async def launch_servers(self):
+        server = (
+            ray.remote(CpuRolloutServer)
+            .options(name=_server_name(self.replica_rank, self.name_suffix), num_cpus=0)
+            .remote(self.config, self.model_config, self.replica_rank)
+        )
+        await server.weight_update_count.remote()  # constructed
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{NAME}-rollout-{self.replica_rank}"
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+
+class CpuServerAdapter(BaseRollout):
+    """In each actor rank: consumes the weight stream (every rank must), rank 0 of a replica
+    ships it to the replica's server."""
+
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
+        super().__init__(config, model_config, device_mesh)
+        c = self.config
+        size = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
+        rank = int(os.environ["RANK"])
+        self.replica_rank = rank // size if replica_rank == -1 else replica_rank
+        self.has_server = rank % size == 0
+        self.bucket_bytes = (c.checkpoint_engine.update_weights_bucket_megabytes << 20) or BUCKET_BYTES
+        self._server = None
+
+    @property
+    def server(self):
+        if self._server is None:
+            self._server = ray.get_actor(_server_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]):
+        if self.has_server:
+            await self.server.wake_up.remote(tags=tags)
+
+    async def release(self):
+        if self.has_server:
+            await self.server.sleep.remote()
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kw):
+        if wire_format != "named_tensors":
+            raise ValueError(f"the cpu rollout takes full named tensors, not {wire_format!r}")
+        bucket, size = [], 0
+        async for name, tensor in _aiter(weights):
+            if not self.has_server:
+                continue  # the stream is collective: every rank walks it
+            bucket.append((name, tensor.detach().to("cpu", copy=True)))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                await self.server.receive_weights.remote(bucket)
+                bucket, size = [], 0
+        if self.has_server:
+            if bucket:
+                await self.server.receive_weights.remote(bucket)
+            await self.server.finish_weights.remote(global_steps)
+
+
+async def _aiter(items) -> Iterable:
+    if hasattr(items, "__aiter__"):
+        async for item in items:
+            yield item
     else:
-        new_NS[:, prompt_len + t - 1] = ~done_N
-    return new_NS
+        for item in items:
+            yield item
+            await asyncio.sleep(0)
 
 
-@torch.no_grad()
-def generate(
-    model,
-    groups: ProcessGroups,
-    prompt_ids_BP: torch.Tensor,
-    n: int,
-    layout: Layout,
-    eos_id: int,
-    pad_id: int,
-    gen: torch.Generator,
-    temperature: float = 1.0,
-    before_forward: Callable[[torch.Tensor], None] | None = None,
-) -> dict:
-    """Sample n responses per prompt (rows grouped: prompt i owns rows i*n .. i*n+n-1).
+def register() -> None:
+    """Make `rollout.name=cpu` resolvable in this process (replica and in-worker adapter)."""
+    from verl.workers.rollout import base
 
-    before_forward(new_tokens_NS) is called before each forward with the positions that
-    forward adds (an engine with a KV cache computes each token once): for routing monitors.
-    Returns input_ids [N, S], attention_mask [N, S], prompts [N, P], responses [N, R].
-    """
-    model.eval()
-    prompts_NP = prompt_ids_BP.repeat_interleave(n, dim=0)
-    num, p = prompts_NP.shape
-    ids_NS = torch.full((num, layout.seq_len), pad_id, dtype=torch.long)
-    ids_NS[:, :p] = prompts_NP
-    done_N = torch.zeros(num, dtype=torch.bool)
-    tp = groups.size("tp")  # sequence parallelism splits the sequence: widths are multiples of tp
-    for t in range(layout.response_len):
-        pos = p + t
-        width = min(layout.seq_len, -(-pos // tp) * tp)  # causal: later columns do not matter
-        if before_forward is not None:
-            before_forward(_new_tokens(ids_NS.shape, p, t, done_N)[:, :width])
-        logits_NV = full_vocab_logits(forward_logits(model, ids_NS[:, :width])[:, pos - 1], groups)
-        token_N = gumbel_sample(logits_NV, temperature, gen)
-        if dist.get_world_size(groups.world) > 1:
-            dist.broadcast(token_N, src=0, group=groups.world)
-        ids_NS[:, pos] = torch.where(done_N, pad_id, token_N)
-        done_N |= token_N == eos_id
-        if done_N.all():
-            break
-    return assemble(prompts_NP, ids_NS[:, layout.response_cols()], layout, eos_id, pad_id)
+    RolloutReplicaRegistry.register(NAME, lambda: CpuReplica)
+    base._ROLLOUT_REGISTRY[(NAME, "async")] = f"{__name__}.CpuServerAdapter"
 
 
-def assemble(
-    prompts_NP: torch.Tensor, responses_NR: torch.Tensor, layout: Layout, eos_id: int, pad_id: int
-) -> dict:
-    """Rollout tensors as verl names them: input_ids, attention_mask, prompts, responses."""
-    num, p = prompts_NP.shape
-    lengths_N = response_lengths(responses_NR, eos_id)
-    valid_NR = torch.arange(layout.response_len) < lengths_N[:, None]
-    ids_NS = torch.full((num, layout.seq_len), pad_id, dtype=torch.long)
-    ids_NS[:, :p] = prompts_NP
-    ids_NS[:, layout.response_cols()] = torch.where(valid_NR, responses_NR, pad_id)
-    mask_NS = torch.zeros_like(ids_NS)
-    mask_NS[:, :p] = 1
-    mask_NS[:, layout.response_cols()] = valid_NR.long()
-    return {
-        "input_ids": ids_NS,
-        "attention_mask": mask_NS,
-        "prompts": prompts_NP,
-        "responses": ids_NS[:, layout.response_cols()].clone(),
-    }
+register()

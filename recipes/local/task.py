@@ -1,50 +1,47 @@
-"""The local task: single-digit arithmetic ("3+4=" -> "7<eos>"), scored like math_dapo.
+"""The local task: single-digit arithmetic ("3+4=" -> "7"), in the files verl's trainer reads.
 
-A character vocabulary of 16 tokens (the tiny model's vocab_size), prompts of fixed length
-(4 tokens, so no left padding), answers of one digit. The reward is verl's own: its DAPO
-reward manager (verl/workers/reward_manager/dapo.py, used as is: decode, score, overlong
-shaping, reward on the last response token) calling math_dapo.compute_score on
-"Answer: <decoded response>". math_dapo gives +1 / -1; the overlong buffer subtracts up to
-`penalty_factor` for responses longer than max_response_length - buffer_len tokens.
+What verl lacks for a laptop run and nothing more: a character tokenizer with Qwen's ChatML
+tokens and template (verl's agent loop builds prompts with it and stops at `<|im_end|>`),
+the problems as DAPO-style parquet files (chat `prompt`, `data_source`, `reward_model`), and
+the score: verl's math_dapo on "Answer: <response>" (+1 right, -1 wrong), which the `dapo`
+reward manager then shapes with its overlong buffer, exactly as on the cluster.
 """
 
+import json
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-import torch
-
-SPECIALS = ("<pad>", "<eos>")
-VOCAB = (*SPECIALS, *"0123456789", "+", "-", "*", "=")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# every character a prompt, an answer or the ChatML template needs, one token each
+CHARS = ("\n", " ", *"0123456789", "+", "-", "*", "=", *"abcdefghijklmnopqrstuvwxyz")
+VOCAB = (*SPECIALS, *CHARS)
 DATA_SOURCE = "math_dapo"
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-class CharTokenizer:
-    """One token per character; what the DAPO reward manager needs from a tokenizer."""
+def write_tokenizer(out: Path) -> Path:
+    """A character-level PreTrainedTokenizerFast with ChatML specials, saved to `out`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    pad_token, eos_token = SPECIALS
-
-    def __init__(self):
-        self.vocab = {tok: i for i, tok in enumerate(VOCAB)}
-        self.pad_token_id = self.vocab[self.pad_token]
-        self.eos_token_id = self.vocab[self.eos_token]
-
-    def __len__(self) -> int:
-        return len(VOCAB)
-
-    def encode(self, text: str) -> list[int]:
-        unknown = sorted(set(text) - set(self.vocab))
-        if unknown:
-            raise ValueError(f"characters {unknown} are not in the task vocabulary {VOCAB[2:]}")
-        return [self.vocab[ch] for ch in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        tokens = [VOCAB[i] for i in ids]
-        if skip_special_tokens:
-            tokens = [t for t in tokens if t not in SPECIALS]
-        return "".join(tokens)
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=SPECIALS[0]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHATML,
+    )
+    tok.save_pretrained(out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,8 @@ class Problem:
     answer: str  # "7"
 
 
-def make_problems(ops: str = "+-", max_operand: int = 9) -> list[Problem]:
-    """Every a<op>b with single-digit operands and a single-digit, non-negative result."""
+def make_problems(ops: str = "+-", max_operand: int = 4) -> list[Problem]:
+    """Every a<op>b with operands up to max_operand and a single-digit, non-negative result."""
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         raise ValueError(f"unknown operator(s) {unknown}: choose from {''.join(OPS)}")
@@ -81,40 +78,32 @@ def balanced(problems: list[Problem]) -> list[Problem]:
     return [p for p in problems for _ in range(max(1, round(most / counts[p.answer])))]
 
 
-def prompt_batch(problems: list[Problem], tokenizer: CharTokenizer) -> dict:
-    """Tensors and verl's non-tensor fields of a prompt batch (before repeating n times)."""
+def _row(problem: Problem, index: int, split: str) -> dict:
     return {
-        "prompt_ids_BP": torch.tensor([tokenizer.encode(p.prompt) for p in problems]),
-        "reward_model": np.array([{"ground_truth": p.answer} for p in problems], dtype=object),
-        "data_source": np.array([DATA_SOURCE] * len(problems), dtype=object),
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.prompt}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": problem.answer},
+        "extra_info": {"split": split, "index": index},
     }
 
 
-def math_dapo_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
-    """verl's math_dapo.compute_score on the response read as a final answer line."""
+def write_data(out: Path, ops: str = "+-", max_operand: int = 4, repeats: int = 40) -> dict:
+    """train.parquet (balanced problems, repeated for enough steps) and val.parquet (each once)."""
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    problems = make_problems(ops, max_operand)
+    train = balanced(problems) * repeats
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    pd.DataFrame([_row(p, i, "train") for i, p in enumerate(train)]).to_parquet(paths["train"])
+    pd.DataFrame([_row(p, i, "val") for i, p in enumerate(problems)]).to_parquet(paths["val"])
+    (out / "task.json").write_text(json.dumps({"ops": ops, "max_operand": max_operand}))
+    return paths
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
+    """verl's math_dapo score of the response read as the final answer line (+1 / -1, `acc`)."""
     from verl.utils.reward_score import math_dapo
 
-    return math_dapo.compute_score(f"Answer: {solution_str}", ground_truth)
-
-
-@dataclass(frozen=True)
-class OverlongBuffer:
-    """verl's reward_model.overlong_buffer config (the attributes its reward manager reads)."""
-
-    len: int
-    penalty_factor: float
-    enable: bool = True
-    log: bool = True
-
-
-def reward_manager(
-    tokenizer: CharTokenizer, max_response_length: int, buffer_len: int, penalty_factor: float
-):
-    """verl's DAPORewardManager with math_dapo scoring and the overlong buffer."""
-    from verl.workers.reward_manager.dapo import DAPORewardManager
-
-    overlong = OverlongBuffer(buffer_len, penalty_factor) if buffer_len > 0 else None
-    return DAPORewardManager(
-        tokenizer, num_examine=0, compute_score=math_dapo_score,
-        max_resp_len=max_response_length, overlong_buffer_cfg=overlong,
-    )  # fmt: skip
+    return math_dapo.compute_score(f"Answer: {solution_str.strip()}", ground_truth)

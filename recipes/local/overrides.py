@@ -1,0 +1,73 @@
+"""What the CPU run changes on top of the cluster's overrides: platform, rollout, model, data, plan.
+
+`recipes.dapo.overrides.build` makes the same groups for every device; for device cpu it
+adds these, which replace the cluster values with the same keys. Everything else (DAPO's
+loss, dynamic sampling on `acc`, GRPO, the dapo reward manager, the engine, checkpoints,
+resume) is the cluster's.
+"""
+
+PLATFORM_MODULES = "recipes.local.platform,recipes.local.rollout"
+# sized for 2 cores: a few seconds a step, reward >= 0.9 well within 10 minutes
+TOY = dict(
+    max_prompt_length=32,
+    max_response_length=4,
+    train_batch_size=16,
+    n=8,
+    lr=2e-3,
+    warmup_steps=3,
+    overlong_buffer=2,
+    inflight_gen_batches=2,
+)
+
+
+def cpu_overrides(run) -> dict[str, dict]:
+    """{concern: {override: value}} for the embedded run (run: recipes.dapo.overrides.RunSpec)."""
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    world = run.plan.world
+    return {
+        "data": {
+            "data.max_prompt_length": TOY["max_prompt_length"],
+            "data.max_response_length": TOY["max_response_length"],
+            "data.train_batch_size": TOY["train_batch_size"],
+            "data.dataloader_num_workers": 0,
+        },
+        "algorithm": {"algorithm.filter_groups.max_inflight_gen_batches": TOY["inflight_gen_batches"]},
+        "policy": {
+            f"{a}.ppo_mini_batch_size": TOY["train_batch_size"],
+            f"{a}.ppo_max_token_len_per_gpu": 4096,
+            f"{a}.optim.lr": TOY["lr"],
+            f"{a}.optim.lr_warmup_steps": TOY["warmup_steps"],
+        },
+        "rollout": {
+            f"{r}.name": "cpu",
+            f"{r}.tensor_model_parallel_size": world,  # one CPU server for all ranks
+            f"{r}.n": TOY["n"],
+            f"{r}.max_num_batched_tokens": 256,
+            f"{r}.log_prob_max_token_len_per_gpu": 4096,
+            f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
+            f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
+            f"{r}.agent.num_workers": 1,
+            f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
+        },
+        "reward": {
+            "reward.num_workers": 1,
+            "+reward.reward_kwargs.max_resp_len": TOY["max_response_length"],
+            "+reward.reward_kwargs.overlong_buffer_cfg.len": TOY["overlong_buffer"],
+            "reward.custom_reward_function.path": str(run.repo / "recipes/local/task.py"),
+            "reward.custom_reward_function.name": "compute_score",
+        },
+        "trainer": {
+            "trainer.save_freq": run.save_freq,
+            "trainer.test_freq": -1,
+            "trainer.val_before_train": False,
+            "trainer.total_training_steps": run.steps,
+            "trainer.logger": ["console", "tensorboard", "file"],
+            "trainer.experiment_name": f"tiny-qwen3-moe-cpu-tp{run.plan.tp}-ep{run.plan.ep}",
+        },
+        "ray_env": {
+            "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
+            "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
+            "+ray_kwargs.ray_init.include_dashboard": False,
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
+        },
+    }
