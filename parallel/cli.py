@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from backend.hf_config import ConfigError
+from backend.monitor.report import ReportError
 from parallel.advice import plan_warnings
 from parallel.auto import Candidate, rank_plans
 from parallel.layout import RankLayout
@@ -21,6 +22,14 @@ from parallel.memory import (
 from parallel.models import DEFAULT_MODEL_NAME, load_spec
 from parallel.plan import ParallelPlan, PlanError, check_against_model
 from parallel.report import layout_summary, model_summary, plan_summary
+from parallel.skew import (
+    DEFAULT_EP_SKEW,
+    REPORT_PERCENTILE,
+    SkewAssumption,
+    default_skew,
+    skew_from_report,
+    skew_lines,
+)
 
 DIMS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 
@@ -28,36 +37,86 @@ DIMS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parallel", description=__doc__.splitlines()[0])
     for dim in DIMS:
-        p.add_argument(f"--{dim}", type=int, default=None,
-                       help=f"{dim} size (default 1, or searched with --auto)")
+        p.add_argument(
+            f"--{dim}",
+            type=int,
+            default=None,
+            help=f"{dim} size (default 1, or searched with --auto)",
+        )
     p.add_argument("--first-stage-layers", type=int, default=None)
     p.add_argument("--last-stage-layers", type=int, default=None)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--device", choices=("npu", "cuda", "cpu"), default="npu",
-                   help="npu: Ascend A2 (64 GiB), cuda: H100 (80 GiB)")
-    p.add_argument("--device-memory-gb", type=float, default=None,
-                   help="device memory in GiB (overrides the device default)")
-    p.add_argument("--model", default=None,
-                   help=f"HF config.json or checkpoint dir (default: {DEFAULT_MODEL_NAME})")
-    p.add_argument("--micro-batch-tokens", type=int, default=8192,
-                   help="tokens in one micro-batch of one data-parallel replica")
+    p.add_argument(
+        "--device",
+        choices=("npu", "cuda", "cpu"),
+        default="npu",
+        help="npu: Ascend A2 (64 GiB), cuda: H100 (80 GiB)",
+    )
+    p.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="device memory in GiB (overrides the device default)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"HF config.json or checkpoint dir (default: {DEFAULT_MODEL_NAME})",
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=8192,
+        help="tokens in one micro-batch of one data-parallel replica",
+    )
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
-    p.add_argument("--offload-params", action="store_true",
-                   help="params to host, grad buffers released between updates")
-    p.add_argument("--offload-optimizer", action="store_true",
-                   help="optimizer state to host between updates")
-    p.add_argument("--auto", action="store_true",
-                   help="search the legal plans (pinning any dimension given) and pick one")
+    p.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="params to host, grad buffers released between updates",
+    )
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="optimizer state to host between updates"
+    )
+    skew = p.add_mutually_exclusive_group()
+    skew.add_argument(
+        "--ep-skew",
+        type=float,
+        default=None,
+        help=f"tokens on the busiest EP rank / the mean (default {DEFAULT_EP_SKEW:g})",
+    )
+    skew.add_argument(
+        "--skew-from",
+        metavar="REPORT",
+        help=f"routing report JSON of an earlier run: p{REPORT_PERCENTILE} of its "
+        "per-layer ep_max_over_mean",
+    )
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="search the legal plans (pinning any dimension given) and pick one",
+    )
     p.add_argument("--top", type=int, default=5, help="ranked plans shown with --auto")
     return p
 
 
-def _memory_options(args: argparse.Namespace) -> MemoryOptions:
+def _skew(args: argparse.Namespace) -> SkewAssumption:
+    if args.skew_from:
+        return skew_from_report(args.skew_from)
+    if args.ep_skew is not None:
+        if not args.ep_skew >= 1:
+            raise PlanError(f"--ep-skew={args.ep_skew} must be >= 1 (1: balanced routing)")
+        return SkewAssumption(args.ep_skew, "--ep-skew")
+    return default_skew()
+
+
+def _memory_options(args: argparse.Namespace, skew: SkewAssumption) -> MemoryOptions:
     if args.micro_batch_tokens < 1:
         raise PlanError(f"--micro-batch-tokens={args.micro_batch_tokens} must be positive")
     memory = args.device_memory_gb or DEVICE_MEMORY_GIB.get(args.device)
     return MemoryOptions(
+        ep_skew=skew.value,
         device_memory_gib=memory,
         micro_batch_tokens=args.micro_batch_tokens,
         recompute=args.recompute,
@@ -73,28 +132,37 @@ def _device_label(args: argparse.Namespace, options: MemoryOptions) -> str:
 
 def _given_plan(args: argparse.Namespace) -> ParallelPlan:
     dims = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
-    return ParallelPlan(nodes=args.nodes, devices_per_node=args.devices_per_node,
-                        first_stage_layers=args.first_stage_layers,
-                        last_stage_layers=args.last_stage_layers, **dims)
+    return ParallelPlan(
+        nodes=args.nodes,
+        devices_per_node=args.devices_per_node,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        **dims,
+    )
 
 
 def _auto_pick(args, spec, options) -> Candidate:
     fixed = {d: getattr(args, d) for d in DIMS}
     ranked = rank_plans(spec, args.nodes, args.devices_per_node, options, fixed)
-    print(f"auto: {len(ranked)} legal plans; best {min(args.top, len(ranked))} "
-          "(fits, inter-node tp/ep/etp/cp spans, pp, tp*cp, peak):")
+    print(
+        f"auto: {len(ranked)} legal plans; best {min(args.top, len(ranked))} "
+        "(fits, inter-node tp/ep/etp/cp spans, pp, tp*cp, peak):"
+    )
     for c in ranked[: args.top]:
         use = c.memory.utilization
         peak = f"{use:.0%}" if use is not None else f"{c.memory.update_bytes / 2**30:.1f} GiB"
-        print(f"  {'fits' if c.memory.fits else 'over'} {c.fit.plan.describe()}  "
-              f"spans={c.cross_node} peak={peak}")
+        print(
+            f"  {'fits' if c.memory.fits else 'over'} {c.fit.plan.describe()}  "
+            f"spans={c.cross_node} peak={peak}"
+        )
     print()
     return ranked[0]
 
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
-    options = _memory_options(args)
+    skew = _skew(args)
+    options = _memory_options(args, skew)
     if args.auto:
         pick = _auto_pick(args, spec, options)
         fit, layout, memory = pick.fit, pick.layout, pick.memory
@@ -106,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     print(plan_summary(fit, _device_label(args, options)))
     print(layout_summary(layout))
     print(format_memory(memory, fit.plan.pp))
+    print("\n".join(skew_lines(fit, options, skew)))
     print("warnings:")
     for line in plan_warnings(fit, layout, memory, options.micro_batch_tokens):
         print(f"  - {line}")
@@ -120,6 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         return run(args)
-    except (PlanError, ConfigError) as err:
+    except (PlanError, ConfigError, ReportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

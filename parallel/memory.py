@@ -5,7 +5,9 @@ Terms, per device of the heaviest pipeline stage (megatron DDP + distributed opt
   grads       4 B per parameter (fp32 main-grad buffer, full size on every rank)
   optimizer   12 B per parameter (fp32 master copy + Adam m and v), sharded over the
               data-parallel group: dp*cp ranks for dense params, edp ranks for experts
-  activations parallel.activations (per layer per token, top-k replication, tp/sp, cp)
+  activations parallel.activations (per layer per token, top-k replication, tp/sp, cp);
+              the expert side scaled by the EP routing skew s (ep_skew, capped at ep)
+  dispatch    the dispatch/combine buffers of the MoE layer in flight, scaled by s
   logits      last stage: T/cp tokens x padded_vocab/tp x LOGIT_BYTES (bf16 logits, their
               fp32 copy and the fp32 softmax kept for the log-prob/entropy backward), plus the
               final-norm and output-layer inputs
@@ -18,7 +20,12 @@ everything back for the update, so they shrink the second column, not the first.
 
 from dataclasses import dataclass
 
-from parallel.activations import ACCELERATOR_KERNELS, Kernels, stage_activation_bytes
+from parallel.activations import (
+    ACCELERATOR_KERNELS,
+    Kernels,
+    dispatch_buffer_bytes,
+    stage_activation_bytes,
+)
 from parallel.params import DeviceParams, device_params
 from parallel.plan import ModelFit
 
@@ -39,6 +46,16 @@ class MemoryOptions:
     offload_optimizer: bool = False  # verl optimizer_offload
     kernels: Kernels = ACCELERATOR_KERNELS
     activation_bytes: int = 2  # bf16
+    # tokens on the busiest EP rank / the EP mean (1: balanced); parallel.skew picks it
+    ep_skew: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.ep_skew >= 1.0:  # also rejects NaN
+            raise ValueError(f"ep_skew={self.ep_skew} must be >= 1 (busiest EP rank over the mean)")
+
+    def skew_for(self, ep: int) -> float:
+        """The skew the plan can see: max over mean of ep ranks is at most ep."""
+        return min(self.ep_skew, float(ep))
 
 
 @dataclass(frozen=True)
@@ -81,8 +98,9 @@ class MemoryEstimate:
 
 
 def _offloadable(name: str, nbytes: float, offloaded: bool, to_host: bool = True) -> MemoryRow:
-    return MemoryRow(name, nbytes, 0.0 if offloaded else nbytes,
-                     nbytes if offloaded and to_host else 0.0)
+    return MemoryRow(
+        name, nbytes, 0.0 if offloaded else nbytes, nbytes if offloaded and to_host else 0.0
+    )
 
 
 def _logits_bytes(fit: ModelFit, stage: int, options: MemoryOptions) -> float:
@@ -93,23 +111,37 @@ def _logits_bytes(fit: ModelFit, stage: int, options: MemoryOptions) -> float:
     return tokens / plan.cp * fit.padded_vocab / plan.tp * LOGIT_BYTES + head_inputs
 
 
-def stage_rows(fit: ModelFit, stage: int, params: DeviceParams,
-               options: MemoryOptions) -> tuple[MemoryRow, ...]:
+def stage_rows(
+    fit: ModelFit, stage: int, params: DeviceParams, options: MemoryOptions
+) -> tuple[MemoryRow, ...]:
     plan = fit.plan
     optimizer = 12 * params.dense / (plan.dp * plan.cp) + 12 * params.expert / plan.edp
-    activations = stage_activation_bytes(fit, stage, options.micro_batch_tokens,
-                                         options.recompute, options.activation_bytes,
-                                         options.kernels)
+    skew = options.skew_for(plan.ep)
+    activations = stage_activation_bytes(
+        fit,
+        stage,
+        options.micro_batch_tokens,
+        options.recompute,
+        options.activation_bytes,
+        options.kernels,
+        ep_skew=skew,
+    )
+    buffers = dispatch_buffer_bytes(
+        fit.spec, plan, options.micro_batch_tokens, options.activation_bytes, ep_skew=skew
+    )
     recompute = "full recompute" if options.recompute else "no recompute"
     runtime = RUNTIME_GIB * GIB
     return (
         _offloadable("params (bf16)", 2 * params.total, options.offload_params),
         # param_offload releases the grad buffers: nothing to copy back
-        _offloadable("grads (fp32 main grads)", 4 * params.total, options.offload_params,
-                     to_host=False),
-        _offloadable("optimizer (fp32 master + Adam, sharded)", optimizer,
-                     options.offload_optimizer),
-        MemoryRow(f"activations ({recompute})", activations, 0.0, 0.0),
+        _offloadable(
+            "grads (fp32 main grads)", 4 * params.total, options.offload_params, to_host=False
+        ),
+        _offloadable(
+            "optimizer (fp32 master + Adam, sharded)", optimizer, options.offload_optimizer
+        ),
+        MemoryRow(f"activations ({recompute}, {skew:g}x EP skew)", activations, 0.0, 0.0),
+        MemoryRow("MoE dispatch/combine buffers", buffers, 0.0, 0.0),
         MemoryRow("logits and output layer", _logits_bytes(fit, stage, options), 0.0, 0.0),
         MemoryRow("runtime (context, comm buffers)", runtime, runtime, 0.0),
     )
@@ -140,10 +172,14 @@ def format_memory(estimate: MemoryEstimate, pp: int) -> str:
     ]
     for r in estimate.rows:
         lines.append(f"  {r.name:<42}{_gib(r.update)}  {_gib(r.idle)}  {_gib(r.host)}")
-    lines.append(f"  {'total':<42}{_gib(estimate.update_bytes)}  {_gib(estimate.idle_bytes)}  "
-                 f"{_gib(estimate.host_bytes)}")
+    lines.append(
+        f"  {'total':<42}{_gib(estimate.update_bytes)}  {_gib(estimate.idle_bytes)}  "
+        f"{_gib(estimate.host_bytes)}"
+    )
     if estimate.utilization is not None:
         verdict = "fits" if estimate.fits else f"does NOT fit (limit {HEADROOM:.0%})"
-        lines.append(f"  update peak {estimate.utilization:.0%} of "
-                     f"{estimate.device_memory_gib:g} GiB: {verdict}")
+        lines.append(
+            f"  update peak {estimate.utilization:.0%} of "
+            f"{estimate.device_memory_gib:g} GiB: {verdict}"
+        )
     return "\n".join(lines)

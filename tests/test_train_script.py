@@ -333,3 +333,6 @@ def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(device, la
     assert "  ep        8       4  no" in out  # EP stays inside a node
     assert "16 experts per EP rank" in out
     assert "Qwen3-30B-A3B config assumed" in out
+    # full recompute leaves one layer's expert activations exposed to routing skew
+    assert "2.00x EP skew assumed (default" in out
+    assert "fits even with every token on one EP rank (8x)" in out

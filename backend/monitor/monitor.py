@@ -13,6 +13,7 @@ whole world is therefore exact; reducing over DP only would miss TP slices, and 
 on top would double count. tests/test_monitor_multiproc.py checks this against world size 1.
 """
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -21,12 +22,14 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.monitor import tb
+from backend.monitor.alerts import RunWarning, SkewGuard
 from backend.monitor.history import LoadHistory, phase_metrics
 from backend.monitor.metrics import flatten, overall_metrics
 from backend.router_tap import RouterCall, RouterTap
 
 PHASES = ("update", "old_log_prob", "ref")
 AUX_PREFIX = "moe/aux_loss"
+log = logging.getLogger(__name__)
 
 
 def reduce_counts_(counts: torch.Tensor, groups: ProcessGroups | None) -> torch.Tensor:
@@ -61,18 +64,33 @@ def _aux_values(aux_losses: Mapping[str, object] | None) -> dict[str, float]:
 class ExpertLoadMonitor:
     """Attach to a RouterTap, label passes with `phase(...)`, call `step_end` once per step."""
 
-    def __init__(self, num_layers: int, num_experts: int, groups: ProcessGroups | None, *,
-                 phases: tuple[str, ...] = PHASES, window_steps: int = 10,
-                 heatmap_every: int | None = None, per_layer_keys: bool = True,
-                 writer=None, top_k: int | None = None, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        groups: ProcessGroups | None,
+        *,
+        phases: tuple[str, ...] = PHASES,
+        window_steps: int = 10,
+        heatmap_every: int | None = None,
+        per_layer_keys: bool = True,
+        writer=None,
+        top_k: int | None = None,
+        device: str | torch.device = "cpu",
+        skew_guard: SkewGuard | None = None,
+    ):
         self.groups, self.plan = groups, plan_of(groups)
+        self.skew_guard = skew_guard  # checked at every step_end (alerts.SkewGuard)
+        self.warnings: list[RunWarning] = []  # what add_warning logged; kept in the report
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.phases, self.per_layer_keys, self.writer = tuple(phases), per_layer_keys, writer
         self.heatmap_every = heatmap_every or window_steps
-        self.history = LoadHistory(self.phases, num_layers, num_experts, self.plan["ep"],
-                                   window_steps)
-        self._counts_PLE = torch.zeros(len(phases), num_layers, num_experts, dtype=torch.int64,
-                                       device=device)
+        self.history = LoadHistory(
+            self.phases, num_layers, num_experts, self.plan["ep"], window_steps
+        )
+        self._counts_PLE = torch.zeros(
+            len(phases), num_layers, num_experts, dtype=torch.int64, device=device
+        )
         self._phase: int | None = None
         self.unlabelled_calls = 0  # router calls outside any phase this step (not counted)
 
@@ -102,9 +120,11 @@ class ExpertLoadMonitor:
             return
         routing_TE = call.routing_map_TE.bool()
         if routing_TE.shape[-1] != self.num_experts or not 0 <= call.layer < self.num_layers:
-            raise ValueError(f"router call (layer {call.layer}, {routing_TE.shape[-1]} experts) "
-                             f"outside the monitor's {self.num_layers} x {self.num_experts}: "
-                             "build the monitor from the model's spec")
+            raise ValueError(
+                f"router call (layer {call.layer}, {routing_TE.shape[-1]} experts) "
+                f"outside the monitor's {self.num_layers} x {self.num_experts}: "
+                "build the monitor from the model's spec"
+            )
         if call.valid_T is not None:
             routing_TE = routing_TE & call.valid_T.to(routing_TE.device, non_blocking=True)[:, None]
         if self._counts_PLE.device != routing_TE.device:
@@ -115,20 +135,37 @@ class ExpertLoadMonitor:
         """This rank's unreduced counts of the current step, [phases, layers, experts]."""
         return self._counts_PLE.detach().cpu().clone()
 
-    def step_end(self, step: int, aux_losses: Mapping[str, object] | None = None) -> dict[str, float]:
+    def step_end(
+        self, step: int, aux_losses: Mapping[str, object] | None = None
+    ) -> dict[str, float]:
         """Reduce this step's counts (collective: every rank calls it), log, return metrics."""
         counts_PLE = reduce_counts_(self._counts_PLE, self.groups).to("cpu", copy=True)
         self._counts_PLE.zero_()
         aux = _aux_values(aux_losses)
         per_phase = phase_metrics(counts_PLE, self.phases, self.plan["ep"])
         self.history.add(step, counts_PLE, aux, per_phase)
-        metrics = {**self._step_metrics(counts_PLE, per_phase), **aux,
-                   **self._cumulative_metrics()}
+        metrics = {**self._step_metrics(counts_PLE, per_phase), **aux, **self._cumulative_metrics()}
         if self.unlabelled_calls:  # a pass the caller forgot to label: visible, not silent
             metrics["moe/unlabelled_router_calls"] = float(self.unlabelled_calls)
             self.unlabelled_calls = 0
+        metrics.update(self._check_skew(step, per_phase))
         self._log(metrics, counts_PLE, step)
         return metrics
+
+    def add_warning(self, warning: RunWarning) -> None:
+        """Log `warning` in one line (first rank) and keep it for the routing report."""
+        self.warnings.append(warning)
+        if self.is_writer_rank():
+            log.warning(warning.line())
+
+    def _check_skew(self, step: int, per_phase: dict) -> dict[str, float]:
+        if self.skew_guard is None:
+            return {}
+        skew_L = {name: per_layer["ep_max_over_mean"] for name, (_, per_layer) in per_phase.items()}
+        warning = self.skew_guard.check(step, skew_L)
+        if warning is not None:
+            self.add_warning(warning)
+        return {"moe/ep_skew_exceeded_steps": float(self.skew_guard.exceeded_steps)}
 
     def _step_metrics(self, counts_PLE: torch.Tensor, per_phase: dict) -> dict[str, float]:
         flat = {}
@@ -161,7 +198,10 @@ class ExpertLoadMonitor:
         """The routing-balance report (see backend.monitor.report) of everything so far."""
         from backend.monitor.report import build_report
 
-        return build_report(self.history, self.plan, model=model, top_k=self.top_k, **extra)
+        warnings = [w.as_dict() for w in self.warnings]
+        return build_report(
+            self.history, self.plan, model=model, top_k=self.top_k, warnings=warnings, **extra
+        )
 
     def is_writer_rank(self) -> bool:
         return self.groups is None or dist.get_rank(self.groups.world) == 0

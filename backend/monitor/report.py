@@ -6,7 +6,8 @@ Layout (schema_version 1):
         phases, window_steps, steps, first_step, last_step, created, and caller extras,
   phases.<name>: cumulative [L][E] counts, metrics (of the cumulative counts),
                  windows [{start_step, end_step, complete, counts [L][E]}],
-  steps: [{step, phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...}}].
+  steps: [{step, phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...}}],
+  warnings: [{kind, step, text, ...}] (alerts.RunWarning; absent in older files).
 Counts are per global expert, so runs with different EP degrees compare directly.
 NaN (a metric of an empty layer) is stored as null: the file stays strict JSON.
 """
@@ -46,29 +47,62 @@ def _strict(value):
 
 def metrics_block(counts_LE: torch.Tensor, ep: int) -> dict:
     per_layer = layer_metrics(counts_LE, ep)
-    return {"overall": overall_metrics(counts_LE, ep),
-            "layers": {k: v.tolist() for k, v in per_layer.items()}}
+    return {
+        "overall": overall_metrics(counts_LE, ep),
+        "layers": {k: v.tolist() for k, v in per_layer.items()},
+    }
 
 
-def build_report(history: LoadHistory, plan: dict, model: str = "", top_k: int | None = None,
-                 **extra) -> dict:
+def build_report(
+    history: LoadHistory,
+    plan: dict,
+    model: str = "",
+    top_k: int | None = None,
+    warnings: list[dict] | None = None,
+    **extra,
+) -> dict:
     steps = [s["step"] for s in history.steps]
     meta = {
-        "model": model, "plan": plan, "num_layers": history.num_layers,
-        "num_experts": history.num_experts, "top_k": top_k, "phases": list(history.phases),
-        "window_steps": history.window_steps, "steps": len(steps),
-        "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"), **extra,
+        "model": model,
+        "plan": plan,
+        "num_layers": history.num_layers,
+        "num_experts": history.num_experts,
+        "top_k": top_k,
+        "phases": list(history.phases),
+        "window_steps": history.window_steps,
+        "steps": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        **extra,
     }
     phases = {}
     for i, name in enumerate(history.phases):
-        windows = [{"start_step": w.start_step, "end_step": w.end_step, "complete": w.complete,
-                    "counts": w.counts_PLE[i].tolist()} for w in history.all_windows()]
+        windows = [
+            {
+                "start_step": w.start_step,
+                "end_step": w.end_step,
+                "complete": w.complete,
+                "counts": w.counts_PLE[i].tolist(),
+            }
+            for w in history.all_windows()
+        ]
         cumulative = history.cumulative_PLE[i]
-        phases[name] = {"cumulative": cumulative.tolist(),
-                        "metrics": metrics_block(cumulative, history.ep), "windows": windows}
-    return _strict({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "meta": meta,
-                    "phases": phases, "steps": history.steps})
+        phases[name] = {
+            "cumulative": cumulative.tolist(),
+            "metrics": metrics_block(cumulative, history.ep),
+            "windows": windows,
+        }
+    return _strict(
+        {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "meta": meta,
+            "phases": phases,
+            "steps": history.steps,
+            "warnings": warnings or [],
+        }
+    )
 
 
 def save_report(report: dict, path: str | Path) -> Path:
@@ -106,13 +140,19 @@ class Report:
         return int(self.meta["plan"].get("ep", 1))
 
     @property
+    def warnings(self) -> list[dict]:
+        return self.data.get("warnings", [])
+
+    @property
     def label(self) -> str:
         return self.path.stem  # runs of one model share meta.model; file names differ
 
     def phase(self, name: str) -> dict:
         if name not in self.data["phases"]:
-            raise ReportError(f"{self.path}: no phase {name!r}; it has "
-                              f"{', '.join(self.data['phases'])}: pass --phase with one of them")
+            raise ReportError(
+                f"{self.path}: no phase {name!r}; it has "
+                f"{', '.join(self.data['phases'])}: pass --phase with one of them"
+            )
         return self.data["phases"][name]
 
     def cumulative(self, phase: str) -> torch.Tensor:
@@ -128,7 +168,9 @@ class Report:
         windows = self.windows(phase)
         complete = [w for w in windows if w["complete"]] or windows
         if not complete:
-            raise ReportError(f"{self.path}: phase {phase!r} has no windows: was any step recorded?")
+            raise ReportError(
+                f"{self.path}: phase {phase!r} has no windows: was any step recorded?"
+            )
         picks = {"early": complete[0], "late": complete[-1]}
         if which in picks:
             chosen = picks[which]
@@ -136,15 +178,20 @@ class Report:
             try:
                 chosen = windows[int(which)]
             except (ValueError, IndexError):
-                raise ReportError(f"window {which!r} not in {self.path} ({len(windows)} windows): "
-                                  "use early, late, all or an index") from None
+                raise ReportError(
+                    f"window {which!r} not in {self.path} ({len(windows)} windows): "
+                    "use early, late, all or an index"
+                ) from None
         label = f"steps {chosen['start_step']}-{chosen['end_step']}"
         return label, torch.tensor(chosen["counts"], dtype=torch.int64)
 
     def step_curve(self, phase: str, name: str) -> tuple[list[int], np.ndarray]:
         """Steps with tokens in `phase`, and the per-layer curve `name` at each ([S, L])."""
-        rows = [(s["step"], s["phases"][phase]["layers"][name])
-                for s in self.data["steps"] if phase in s["phases"]]
+        rows = [
+            (s["step"], s["phases"][phase]["layers"][name])
+            for s in self.data["steps"]
+            if phase in s["phases"]
+        ]
         steps = [step for step, _ in rows]
         curve = [[math.nan if v is None else v for v in values] for _, values in rows]
         return steps, np.asarray(curve, dtype=float).reshape(len(rows), self.shape[0])
@@ -165,10 +212,15 @@ def _check_shapes(path: Path, data: dict) -> None:
     for name, phase in data.get("phases", {}).items():
         blocks = [phase.get("cumulative")] + [w.get("counts") for w in phase.get("windows", [])]
         for counts in blocks:
-            if (not isinstance(counts, list) or len(counts) != num_layers
-                    or any(len(row) != num_experts for row in counts)):
-                raise ReportError(f"{path}: phase {name!r} counts are not {num_layers} x "
-                                  f"{num_experts} as meta says: the file is damaged")
+            if (
+                not isinstance(counts, list)
+                or len(counts) != num_layers
+                or any(len(row) != num_experts for row in counts)
+            ):
+                raise ReportError(
+                    f"{path}: phase {name!r} counts are not {num_layers} x "
+                    f"{num_experts} as meta says: the file is damaged"
+                )
 
 
 def load_report(path: str | Path) -> Report:
@@ -178,8 +230,10 @@ def load_report(path: str | Path) -> Report:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ReportError(f"{path} is not a routing-balance report (no schema {SCHEMA!r})")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ReportError(f"{path} has schema version {data.get('schema_version')}, this reader "
-                          f"needs {SCHEMA_VERSION}: render it with the matching release")
+        raise ReportError(
+            f"{path} has schema version {data.get('schema_version')}, this reader "
+            f"needs {SCHEMA_VERSION}: render it with the matching release"
+        )
     for key in ("meta", "phases", "steps"):
         if key not in data:
             raise ReportError(f"{path} lacks {key!r}: the file is damaged")

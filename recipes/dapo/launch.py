@@ -19,7 +19,7 @@ from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
-CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp")
+CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp", "skew_from")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 120, 40
 
 
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ifname", help="network interface for HCCL/NCCL and gloo (e.g. eth0)")
     p.add_argument("--dry-run", action="store_true", help="resolve and print, start nothing")
+    p.add_argument(
+        "--skew-from",
+        metavar="REPORT",
+        help="routing report of an earlier run: the EP skew the memory check assumes",
+    )
     local = p.add_argument_group("local run")
     local.add_argument("--steps", type=int, default=None)
     local.add_argument("--seed", type=int, default=None)
@@ -63,6 +68,7 @@ class Resolved:
     model_fit: object  # parallel.plan.ModelFit
     groups: dict[str, dict]
     replaced: list[str]
+    skew_lines: tuple[str, ...] = ()  # parallel.skew: verdict at the assumed EP skew, margin
 
     @property
     def command(self) -> list[str]:
@@ -77,6 +83,7 @@ class Resolved:
         ]
         if self.model_fit is not None:  # the memory model is for accelerators
             lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
+            lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
@@ -181,7 +188,23 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         env,
     )
     groups, replaced = overrides.merge(overrides.build(run), extra)
-    return Resolved(run, model_fit, groups, replaced)
+    return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, args.skew_from))
+
+
+def _skew_lines(model_fit, fit, report: str | None) -> tuple[str, ...]:
+    """The actor update at the assumed EP skew (report, or the default), and the skew margin."""
+    from parallel.memory import MemoryOptions
+    from parallel.skew import default_skew, skew_from_report, skew_lines
+
+    skew = skew_from_report(report) if report else default_skew()
+    options = MemoryOptions(
+        fit.device_gib,
+        overrides.MICRO_BATCH_TOKENS,
+        recompute=True,
+        offload_params=fit.param_offload,
+        offload_optimizer=fit.optimizer_offload,
+    )
+    return tuple(skew_lines(model_fit, options, skew))
 
 
 def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
