@@ -11,6 +11,8 @@ from verl.workers.utils.losses import ppo_loss
 from recipes.dapo import weights
 from tests.test_verl_engine import _on_policy, build_engine, dapo_actor_config, make_batch
 
+pytestmark = pytest.mark.mcore_compat  # the 0.12.1 shims and checkpoint format too
+
 LR, WARMUP, DECAY, CLIP, BETAS, EPS = 1e-3, 4, 0.1, 1.0, (0.9, 0.999), 1e-8  # build_engine's
 
 
