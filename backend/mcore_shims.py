@@ -9,9 +9,15 @@ instead of shims wherever megatron-core has one (see backend.model):
 - dispatcher: moe_token_dispatcher_type="allgather" on CPU (alltoall creates CUDA streams),
 - use_cpu_initialization=True on CPU.
 
+The distributed optimizer (DistributedDataParallel + get_megatron_optimizer) runs on CPU in
+fp32 with the `dist_optim_*` / `optimizer_*` shims below; bf16 stays on accelerators.
+
 Measured on megatron-core 0.12.1 and 0.16.1 with torch 2.13 (CPU).
 """
 
+import functools
+import importlib
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,6 +103,159 @@ def _patch_write_item_format() -> None:
         )
 
 
+_OPTIMIZER_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+class _TorchWithCpuForCuda(types.ModuleType):
+    """`torch` for a megatron module: factories asked for device 'cuda' build on the cpu."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(factory):
+        @functools.wraps(factory)
+        def build(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                device = "cpu"
+            return factory(*args, device=device, **kwargs)
+
+        return build
+
+
+def _patch_optimizer_cuda_literals() -> None:
+    for name in _OPTIMIZER_MODULES:
+        module = importlib.import_module(name)
+        if module.torch is torch:
+            module.torch = _TorchWithCpuForCuda()
+
+
+def _patch_dist_optim_fp32_params() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._build_model_and_main_param_groups.__func__
+    if getattr(original, "_cpu_fp32", False):
+        return
+
+    def build(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        cpu_fp32 = [
+            p for p in param_gbuf_map if p.device.type == "cpu" and p.dtype == torch.float32
+        ]
+        for param in cpu_fp32:  # only these params, only during this call
+            param.type = _cuda_float_type
+        try:
+            return original(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        finally:
+            for param in cpu_fp32:
+                del param.type
+
+    build._cpu_fp32 = True
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+
+
+def _cuda_float_type(*args, **kwargs) -> str:
+    if args or kwargs:
+        raise TypeError("dist_optim_fp32_cpu_params: only type() without arguments is shimmed")
+    return "torch.cuda.FloatTensor"
+
+
+def _patch_clip_grads_cpu() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    if getattr(optimizer.clip_grad_by_total_norm_fp32, "_cpu", False):
+        return
+
+    def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in params if getattr(p, attr, None) is not None]
+        if any(g.device.type != "cpu" or g.dtype != torch.float32 for g in grads):
+            return original(params, max_norm, total_norm, use_decoupled_grad)
+        coeff = max_norm / (total_norm + 1.0e-6)  # megatron's formula and in-place scale
+        if coeff < 1.0:
+            for grad in grads:
+                grad.copy_(grad * coeff)
+
+    clip._cpu = True
+    optimizer.clip_grad_by_total_norm_fp32 = clip
+
+
+def _patch_local_l2_norm_cpu() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+        return  # Apex / TE kernels: not our case
+
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        norms = [[torch.norm(t) for t in tensors] for tensors in tensor_lists]
+        return torch.tensor([float(torch.norm(torch.tensor(norms)))], dtype=torch.float), None
+
+    clip_grads.l2_norm_impl = l2_norm
+
+
+def _patch_fp8_quantize_without_te() -> None:
+    from megatron.core import fp8_utils
+
+    try:
+        fp8_utils._quantize_param_shard_impl([], [], [], None)
+        return  # >= 0.13: no fp8 params is a no-op already
+    except RuntimeError:
+        pass
+    original = fp8_utils._quantize_param_shard_impl
+
+    def quantize(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    fp8_utils._quantize_param_shard_impl = quantize
+
+
+def _patch_numpy_product() -> None:
+    import numpy as np
+
+    if hasattr(np, "product"):
+        return
+    alias = types.ModuleType("numpy")
+    alias.__getattr__ = lambda name: getattr(np, name)
+    alias.product = np.prod
+    for name in ("mapping", "validation", "exchange_utils"):
+        module = importlib.import_module(f"megatron.core.dist_checkpointing.{name}")
+        if getattr(module, "np", None) is np:
+            module.np = alias
+
+
+def _patch_dist_optim_load_adam_step() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:  # torch Adam keeps a per-param step; megatron restores it itself
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states._keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim(
         name="cuda_current_device_is_cpu",
@@ -145,6 +304,62 @@ SHIMS: tuple[Shim, ...] = (
         "TORCH_SAVE, the format it always wrote (no-op on megatron-core >= 0.13)",
         devices=("cpu", "cuda", "npu"),
         patch=_patch_write_item_format,
+    ),
+    Shim(
+        name="optimizer_cuda_literals_are_cpu",
+        why="megatron-core's optimizer modules (optimizer, clip_grads, distrib_optimizer) create "
+        "their flags and norms with device='cuda' (_dummy_overflow_buf, found_inf, _scale_one, "
+        "total-norm and zero-count buffers); in those modules only, torch's factories build "
+        "such tensors on the cpu",
+        devices=("cpu",),
+        patch=_patch_optimizer_cuda_literals,
+    ),
+    Shim(
+        name="dist_optim_fp32_cpu_params",
+        why="DistributedOptimizer._build_model_and_main_param_groups accepts only "
+        "param.type() == 'torch.cuda.FloatTensor' for fp32 params (its fp32 branch only slices "
+        "views); during that one call the model's cpu fp32 params answer that type",
+        devices=("cpu",),
+        patch=_patch_dist_optim_fp32_params,
+    ),
+    Shim(
+        name="clip_grads_cpu",
+        why="clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor'; for "
+        "cpu fp32 grads the optimizer uses the same clip coefficient and scale without the assert",
+        devices=("cpu",),
+        patch=_patch_clip_grads_cpu,
+    ),
+    Shim(
+        name="local_l2_norm_on_cpu",
+        why="without Apex/TE, clip_grads uses utils.local_multi_tensor_l2_norm, which returns "
+        "the norm on device='cuda'; the same norm, returned on the cpu",
+        devices=("cpu",),
+        patch=_patch_local_l2_norm_cpu,
+    ),
+    Shim(
+        name="fp8_quantize_without_te",
+        why="megatron-core 0.12.1 without TransformerEngine raises in quantize_param_shard even "
+        "with no fp8 params, which every distributed-optimizer step calls; an empty list is a "
+        "no-op, as in 0.13+ (no-op on megatron-core >= 0.13)",
+        devices=("cpu", "cuda", "npu"),
+        patch=_patch_fp8_quantize_without_te,
+    ),
+    Shim(
+        name="dist_ckpt_numpy_product",
+        why="megatron-core 0.12.1's dist_checkpointing (mapping, validation, exchange_utils) "
+        "calls np.product, removed in numpy 2; those modules get np.prod under that name "
+        "(no-op with numpy < 2 or megatron-core >= 0.13)",
+        devices=("cpu", "cuda", "npu"),
+        patch=_patch_numpy_product,
+    ),
+    Shim(
+        name="dist_optim_load_adam_step",
+        why="with torch's Adam (no Apex/TE FusedAdam) every param state holds a 'step'; "
+        "megatron-core 0.12.1's fully_sharded_model_space load drops 'step' from what it read "
+        "(it restores it from param_groups) and then copies every state key, so KeyError; "
+        "a missing 'step' is copied from the state itself (no-op with FusedAdam)",
+        devices=("cpu", "cuda", "npu"),
+        patch=_patch_dist_optim_load_adam_step,
     ),
 )
 

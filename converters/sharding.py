@@ -25,17 +25,25 @@ from converters.qwen3_moe import ExpertSlice, MappingError, hf_to_mcore
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:  # a view of DDP's grad buffer, which zero_grad_buffer() clears
+        return main_grad.detach().clone()
+    return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
+
+
 def expanded_parameters(model: torch.nn.Module, grads: bool = False) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, parameter, value) like named_parameters, with grouped experts split per expert.
 
-    value is the parameter's data, or its gradient (zeros where none) with grads=True. Modules
+    value is the parameter's data, or its gradient (zeros where none) with grads=True: under
+    megatron-core's DDP the gradient accumulates in `main_grad` (its buffer), else `.grad`. Modules
     holding stacked experts (backend.experts.GroupedExperts) name and slice them through their
     `expert_slices`: SequentialMLP's names, per-expert views carrying its TP attributes.
     """
     stacked = {name: m for name, m in model.named_modules() if hasattr(m, "expert_slices")}
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        value = param.detach() if not grads else param.grad if param.grad is not None else torch.zeros_like(param)
+        value = param.detach() if not grads else _grad(param)
         if owner in stacked:
             yield from stacked[owner].expert_slices(owner + ".", leaf, value)
         else:

@@ -24,7 +24,7 @@ from recipes.dapo.overrides import AUX_LOSS
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 
 
-def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False):
+def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False, **config):
     """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -44,6 +44,7 @@ def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False)
             recompute=recompute,
             # the accelerators' modules: GroupedExperts + SDPAttention
             **(dict(experts="grouped", attention="sdpa") if fast else {}),
+            **config,  # e.g. param_offload, optimizer_offload
         ),
         optimizer_config=FSDPOptimizerConfig(
             lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
@@ -244,7 +245,9 @@ def test_per_tensor_param_streams_the_hf_checkpoint(make_engine, tiny_hf_dir):
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["mcore-local", "grouped-sdpa"])
-def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_hf_dir, tmp_path, fast):
+def test_checkpoint_round_trip_and_export_with_our_converter(
+    make_engine, tiny_hf_dir, tmp_path, fast
+):
     from converters.cli import main as converters_main
 
     engine, data = make_engine(fast=fast), make_batch()
@@ -257,7 +260,8 @@ def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_h
     engine.save_checkpoint(str(root), global_step=1)
     for name in (
         "meta.json",
-        "optim/rank_00000.pt",
+        "optim/dist_ckpt/.metadata",
+        "optim/schedule.json",
         "moe_report.json",
         "model/dist_ckpt/hf_config.json",
     ):
@@ -282,8 +286,8 @@ def test_checkpoint_round_trip_and_export_with_our_converter(make_engine, tiny_h
     for name, tensor in fresh.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
     assert fresh.optim.lr == pytest.approx(engine.optim.lr)
-    state = fresh.optim.actor.optimizer.state_dict()["state"]
-    assert state and all(s["step"] == 1 for s in state.values())
+    state = [s for o in fresh.optim.chained() for s in o.optimizer.state.values()]
+    assert state and all(s["step"] == 1 for s in state)
 
     # the other expert module: the weights load, its optimizer state is refused in one line
     other = make_engine(fast=not fast)

@@ -14,7 +14,8 @@ BaseEngine calls verl's workers make map onto our code:
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  recipes.dapo.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
   save/load_checkpoint  recipes.dapo.weights (layout in its docstring)
-  to                  offload of params/grads/optimizer state (accelerators)
+  to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
+                      on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
 """
 
@@ -49,8 +50,25 @@ def engine_device() -> str:
 
 class _ModeCtx(BaseEngineCtx):
     def __enter__(self):
-        super().__enter__()
+        self._entering = True
+        try:
+            super().__enter__()
+        finally:
+            self._entering = False
         self.engine.model.train(self.mode == "train")
+
+    def _context_switch(self, device):
+        # verl names the compute device "cpu" on cpu, so on entry say "onload" explicitly
+        if self._entering and self.engine.device == "cpu" and not self.disable_auto_offload:
+            parts = dict(model=self.engine.is_param_offload_enabled, optimizer=False, grad=False)
+            if self.mode == "train":
+                parts.update(
+                    optimizer=self.engine.is_optimizer_offload_enabled,
+                    grad=self.engine.is_param_offload_enabled,
+                )
+            self.engine.onload(**parts)
+            return
+        super()._context_switch(device)
 
     def __exit__(self, exc_type, exc_value, traceback):
         if self.mode == "train" and self.engine.optim and (self.zero_grad_on_exit or exc_type):
@@ -109,7 +127,7 @@ class McoreEpEngine(BaseEngine):
             self.model = self.module
         else:
             settings = OptimSettings.from_verl(self.optimizer_config)
-            self.optim = make_optimizer(self.device, self.module, self.groups, settings)
+            self.optim = make_optimizer(self.module, self.groups, settings)
             self.model = self.optim.model
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
             self.to(
@@ -121,15 +139,11 @@ class McoreEpEngine(BaseEngine):
 
     @property
     def is_param_offload_enabled(self) -> bool:
-        return self.device != "cpu" and self.engine_config.param_offload
+        return self.engine_config.param_offload
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return (
-            self.device != "cpu"
-            and self.engine_config.optimizer_offload
-            and not self.engine_config.forward_only
-        )
+        return self.engine_config.optimizer_offload and not self.engine_config.forward_only
 
     def train_mode(self, **kwargs):
         return _ModeCtx(self, "train", **kwargs)
@@ -138,17 +152,30 @@ class McoreEpEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """'cpu' offloads; the engine's device loads. On a cpu engine both are "cpu": there
+        "cpu" offloads too (verl's explicit calls), and whatever computes loads first (the
+        train/eval contexts, get_per_tensor_param, checkpoints) through onload()."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
         if device not in ("cpu", self.device):
             raise ValueError(
                 f"this engine runs on {self.device}: move it to 'cpu' or {self.device!r}"
             )
-        if self.device == "cpu":
-            return
+        if device == "cpu":
+            self.offload(model=model, optimizer=optimizer)
+        else:
+            self.onload(model=model, optimizer=optimizer, grad=grad)
+
+    def offload(self, model: bool = True, optimizer: bool = True) -> None:
         if self.optim:
-            self.optim.to(device, model=model, optimizer=optimizer, grad=grad)
+            self.optim.offload(model=model, optimizer=optimizer)
+        elif model:  # forward-only (reference) module, no DDP buffers
+            self.module.to("cpu")
+
+    def onload(self, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        if self.optim:
+            self.optim.onload(model=model, optimizer=optimizer, grad=grad)
         elif model:
-            self.module.to("cpu" if device == "cpu" else self._torch_device)
+            self.module.to(self._torch_device)
 
     # ---- parallel layout -------------------------------------------------------------
 
@@ -265,7 +292,7 @@ class McoreEpEngine(BaseEngine):
     def get_per_tensor_param(self, **kwargs):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
-            self.to(self.device, model=True, optimizer=False, grad=False)
+            self.onload(model=True, optimizer=False, grad=False)
         return weights.hf_tensors(self.module, self.groups, self.spec), None
 
     def save_checkpoint(
@@ -278,18 +305,19 @@ class McoreEpEngine(BaseEngine):
             )
         root, rank = Path(local_path), dist.get_rank()
         contents = set(self.checkpoint_config.get("save_contents", ["model", "optimizer", "extra"]))
-        if self.is_param_offload_enabled:
-            self.to(self.device, model=True, optimizer=False, grad=False)
+        with_optim = self.optim is not None and "optimizer" in contents
+        self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
         config_json = Path(self.model_config.local_hf_config_path) / "config.json"
         weights.save_model(self.module, root / weights.MODEL_DIR, config_json, self.device)
         if rank == 0:
             weights.save_meta(root, global_step, self.plan, self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
-        if self.optim and "optimizer" in contents:
-            weights.optim_path(root, rank).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.optim.state_dict(), weights.optim_path(root, rank))
-        if self.is_param_offload_enabled:
-            self.to("cpu", model=True, optimizer=False, grad=False)
+        if with_optim:
+            # params stay loaded: the sharded optimizer state refers to the model's shards
+            self.onload(model=False, optimizer=self.is_optimizer_offload_enabled, grad=False)
+            self.optim.save(root / weights.OPTIM_DIR)
+            self.offload(model=False, optimizer=self.is_optimizer_offload_enabled)
+        self.offload(model=self.is_param_offload_enabled, optimizer=False)
         dist.barrier()
         if rank == 0:
             self._saved.append(root)
@@ -308,15 +336,20 @@ class McoreEpEngine(BaseEngine):
                 "experts setting, or export its weights (python -m converters mcore-to-hf) and "
                 "start from them"
             )
-        if self.is_param_offload_enabled:
-            self.to(self.device, model=True, optimizer=False, grad=False)
+        if with_optim:
+            weights.check_optim_dir(root)
+        self.onload(
+            model=self.is_param_offload_enabled,
+            optimizer=with_optim and self.is_optimizer_offload_enabled,
+            grad=False,
+        )
         weights.load_model(self.module, root / weights.MODEL_DIR)
         if self.optim:
             self.optim.reload_model_params()
         if with_optim:
-            rank_state = weights.optim_path(root, dist.get_rank())
-            self.optim.load_state_dict(
-                torch.load(rank_state, map_location="cpu", weights_only=False)
-            )
-        if self.is_param_offload_enabled:
-            self.to("cpu", model=True, optimizer=False, grad=False)
+            self.optim.load(root / weights.OPTIM_DIR)
+        # as verl's megatron engine: the loaded state goes back to the host until it is used
+        self.offload(
+            model=self.is_param_offload_enabled,
+            optimizer=self.optim is not None and self.is_optimizer_offload_enabled,
+        )

@@ -1,21 +1,32 @@
-"""The engine's optimizer: one interface, two implementations chosen by device.
+"""The engine's optimizer: megatron-core DDP + distributed optimizer, on every device.
 
-- cpu (tests, laptops): McoreActor's AdamW on fp32 parameters, gradients summed over the
-  ranks holding copies (backend.grads) then divided by the DP size, global-norm clipping.
-- cuda / npu: megatron-core DDP + distributed optimizer (bf16 parameters, fp32 main grads,
-  fp32 master weights and Adam state sharded over DP / expert-DP): the layout parallel/'s
-  memory model assumes. megatron-core hard-codes CUDA tensors there, so it cannot run on CPU;
-  this path is exercised on a cluster only.
+One path for cpu (gloo, fp32: tests and CI) and cuda / npu (bf16 parameters, fp32 main grads,
+fp32 master weights and Adam state sharded over DP / expert-DP: the layout parallel/'s memory
+model assumes). On cpu megatron-core's CUDA-only spots are passed by the named shims in
+backend.mcore_shims (`optimizer_*`, `dist_optim_*`, `clip_grads_cpu`, `local_l2_norm_on_cpu`).
 
-Both average gradients over DP, which is what verl's losses expect (token-mean multiplies by
-dp_size), and both use McoreActor's warm-up: lr * min(1, (k + 1) / warmup) at update k.
+- gradients: DDP averages over DP (megatron's default scaling 1/dp, experts included), which
+  is what verl's losses expect (token-mean multiplies by dp_size); finalize_model_grads adds
+  the TP sums of sequence-parallel and q/k-norm weights;
+- schedule, written once here: lr * min(1, (k + 1) / warmup) at update k; weight decay is
+  the configured one times megatron's per-group `wd_mult` (0 for biases and 1-D params:
+  megatron's no-decay rule, which its own OptimizerParamScheduler would apply);
+- checkpoint: megatron-core's sharded optimizer checkpoint (dist_checkpointing, the cluster's
+  format), plus the schedule's update counter in JSON;
+- offload: verl's megatron_utils offload / load functions, on cpu too (cpu to cpu).
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
+
+STATE_DIR = "dist_ckpt"  # under the checkpoint's optim/
+SCHEDULE = "schedule.json"
 
 
 @dataclass(frozen=True)
@@ -49,79 +60,19 @@ def warmup_factor(update: int, warmup: int) -> float:
     return min(1.0, (update + 1) / warmup) if warmup > 0 else 1.0
 
 
-class LocalOptimizer:
-    """cpu: McoreActor's optimizer and scheduler, our TP/DP/EP gradient sync and clipping."""
-
-    def __init__(self, model: torch.nn.Module, groups: ProcessGroups, s: OptimSettings):
-        from backend.actor import McoreActor, OptimConfig
-
-        cfg = OptimConfig(
-            lr=s.lr,
-            weight_decay=s.weight_decay,
-            betas=s.betas,
-            eps=s.eps,
-            grad_clip=s.clip_grad,
-            warmup_steps=s.warmup_steps,
-        )
-        self.actor, self.model, self.groups, self.settings = (
-            McoreActor(model, groups, cfg),
-            model,
-            groups,
-            s,
-        )
-
-    def zero_grad(self) -> None:
-        self.actor.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        from backend.grads import clip_grads, sync_grads
-
-        sync_grads(self.model, self.groups)
-        dp = self.groups.size("dp")
-        if dp > 1:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.div_(dp)
-        norm = clip_grads(self.model, self.groups, self.settings.clip_grad)
-        self.actor.optimizer.step()
-        return norm
-
-    def lr_step(self) -> float:
-        self.actor.scheduler.step()
-        return self.lr
-
-    @property
-    def lr(self) -> float:
-        return self.actor.scheduler.get_last_lr()[0]
-
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.actor.optimizer.state_dict(),
-            "scheduler": self.actor.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.actor.optimizer.load_state_dict(state["optimizer"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
-
-    def reload_model_params(self) -> None:
-        """Parameters were replaced in place: nothing else holds a copy here."""
-
-    def to(self, device: str, model: bool, optimizer: bool, grad: bool) -> None:
-        if device != "cpu":
-            raise ValueError(f"the cpu engine cannot move to {device!r}")
-
-
-class DistOptimizer:
-    """cuda / npu: megatron-core DistributedDataParallel + distributed optimizer."""
+class McoreOptimizer:
+    """megatron-core DistributedDataParallel + distributed Adam over one model chunk (pp = 1)."""
 
     def __init__(self, model: torch.nn.Module, groups: ProcessGroups, s: OptimSettings):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if groups.size("pp") != 1:
+            raise ValueError("the optimizer runs pp=1: pipeline stages need megatron's schedule")
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
+        self.module = model
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp, module=model)
         cfg = OptimizerConfig(
             optimizer="adam",
@@ -137,11 +88,26 @@ class DistOptimizer:
         )
         self.optimizer = get_megatron_optimizer(cfg, [self.model])
         self.settings, self.updates = s, 0
-        self._set_lr()
+        self._apply_schedule()
 
-    def _set_lr(self) -> None:
+    # ---- schedule ----------------------------------------------------------------------
+
+    def _apply_schedule(self) -> None:
+        """What megatron's OptimizerParamScheduler does per group, with our warm-up."""
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+            group["lr"] = self.lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.settings.weight_decay * group.get("wd_mult", 1.0)
+
+    @property
+    def lr(self) -> float:
+        return self.settings.lr * warmup_factor(self.updates, self.settings.warmup_steps)
+
+    def lr_step(self) -> float:
+        self.updates += 1
+        self._apply_schedule()
+        return self.lr
+
+    # ---- step --------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -158,50 +124,112 @@ class DistOptimizer:
             )
         return float(norm)
 
-    def lr_step(self) -> float:
-        self.updates += 1
-        self._set_lr()
-        return self.lr
-
-    @property
-    def lr(self) -> float:
-        return self.settings.lr * warmup_factor(self.updates, self.settings.warmup_steps)
-
-    def _chained(self) -> list:
-        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-            "param_state": [o.get_parameter_state_dp_reshardable() for o in self._chained()],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        for opt, param_state in zip(self._chained(), state["param_state"], strict=True):
-            opt.load_parameter_state_from_dp_reshardable(param_state)
-        self.updates = state["updates"]
-        self._set_lr()
-
     def reload_model_params(self) -> None:
         """Parameters were replaced in place: refresh the fp32 master copies from them."""
         self.optimizer.reload_model_params()
 
-    def to(self, device: str, model: bool, optimizer: bool, grad: bool) -> None:
+    def chained(self) -> list:
+        """The DistributedOptimizers (dense and expert parameters have one each)."""
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    # ---- checkpoint --------------------------------------------------------------------
+
+    def _sharded(self, is_loading: bool) -> dict:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        if hasattr(DistributedOptimizer, "sharded_param_state_dp_reshardable"):
+            # megatron-core >= 0.14: every rank writes its own buckets, no gather (reshards
+            # over DP); its default (fully_sharded_model_space) is deprecated there
+            kwargs = dict(metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        else:  # 0.12.1: its default, every rank writes its own shards of each parameter
+            kwargs = dict(sharding_type="fully_sharded_model_space")
+        model_state = self.module.sharded_state_dict()
+        return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, **kwargs)
+
+    def save(self, out: Path) -> None:
+        """megatron-core's sharded optimizer checkpoint + the schedule (collective)."""
+        from megatron.core import dist_checkpointing
+
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        self._init_torch_adam_state()  # saved before any step: the zero state of a first step
+        dist.barrier()
+        dist_checkpointing.save(self._sharded(is_loading=False), str(out / STATE_DIR))
+        if dist.get_rank() == 0:
+            (out / SCHEDULE).write_text(json.dumps({"updates": self.updates}))
+        dist.barrier()
+
+    def load(self, src: Path) -> None:
+        """Exactly what save() wrote: Adam moments, master weights, step counts, schedule."""
+        from megatron.core import dist_checkpointing
+
+        self._init_torch_adam_state()
+        state = dist_checkpointing.load(self._sharded(is_loading=True), str(src / STATE_DIR))
+        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+            self.optimizer.load_state_dict(state)
+        self._restore_torch_adam_step()
+        self.updates = json.loads((src / SCHEDULE).read_text())["updates"]
+        self._apply_schedule()
+
+    def _torch_adams(self) -> list:
+        adam = (torch.optim.Adam, torch.optim.AdamW)
+        return [o for o in self.chained() if isinstance(getattr(o, "optimizer", None), adam)]
+
+    def _init_torch_adam_state(self) -> None:
+        """torch's Adam (cpu, or no Apex/TE) before its first step has no state, and megatron's
+        state_dict() then fails reading its step; allocate it as a first step would (zeros, step
+        0: torch's own lazy init), which a load overwrites. FusedAdam keeps its step in
+        param_groups: not touched."""
+        for opt in self._torch_adams():
+            if len(opt.optimizer.state) == 0:
+                opt.init_state_fn(opt.optimizer, opt.config)
+                for state in opt.optimizer.state.values():
+                    state.setdefault("step", torch.tensor(0.0))
+
+    def _restore_torch_adam_step(self) -> None:
+        """megatron restores torch Adam's step from param_groups, then (0.16.1, dp_reshardable)
+        overwrites it with the template's per-param step: take param_groups' value again."""
+        for opt in self._torch_adams():
+            for group in opt.optimizer.param_groups:
+                if "step" in group:
+                    for param in group["params"]:
+                        opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+    # ---- offload -----------------------------------------------------------------------
+
+    def offload(self, model: bool, optimizer: bool) -> None:
+        """verl's offload of the DDP buffers (params, grads) and optimizer state."""
         from verl.utils import megatron_utils as mu
 
-        if device == "cpu":
-            if model:
-                mu.offload_megatron_model_to_cpu([self.model])
-            if optimizer:
-                mu.offload_megatron_optimizer(self.optimizer)
-            return
+        if model:
+            self._host_buffers()
+            mu.offload_megatron_model_to_cpu([self.model])
+        if optimizer:
+            mu.offload_megatron_optimizer(self.optimizer)
+
+    def onload(self, model: bool, optimizer: bool, grad: bool) -> None:
+        from verl.utils import megatron_utils as mu
+
         if model:
             mu.load_megatron_model_to_gpu([self.model], load_grad=grad)
         if optimizer:
             mu.load_megatron_optimizer(self.optimizer)
 
+    def _host_buffers(self) -> None:
+        """verl keeps offloaded params in a pinned host buffer it allocates once and reuses;
+        torch has no pinned memory without an accelerator, so on cpu that buffer is made here
+        (plain memory) and verl takes its reuse path."""
+        if next(self.module.parameters()).device.type != "cpu":
+            return
+        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+            data = buffer.param_data
+            if getattr(data, "cpu_data", None) is None and data.storage().size() > 0:
+                data.cpu_data = torch.empty_like(data)
+                buffer.param_data_size = data.storage().size()
 
-def make_optimizer(device: str, model: torch.nn.Module, groups: ProcessGroups, s: OptimSettings):
-    return (LocalOptimizer if device == "cpu" else DistOptimizer)(model, groups, s)
+    def is_offloaded(self) -> bool:
+        """The DDP parameter buffers are freed (their contents live in verl's host copy)."""
+        return all(b.param_data.storage().size() == 0 for b in self.model.buffers)
+
+
+def make_optimizer(model: torch.nn.Module, groups: ProcessGroups, s: OptimSettings):
+    return McoreOptimizer(model, groups, s)

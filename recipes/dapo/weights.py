@@ -6,7 +6,9 @@ Checkpoint layout under verl's `.../global_step_N/actor/` (save_checkpoint):
                     loadable at any TP/EP plan) + hf_config.json (the model's config.json).
                     `python -m converters mcore-to-hf <that actor dir> OUT --template HF_DIR`
                     exports it to HF safetensors.
-  optim/rank_NNNNN.pt  per-rank optimizer and schedule state (resume with the same plan).
+  optim/dist_ckpt/  megatron-core's sharded distributed-optimizer checkpoint (master weights,
+                    Adam moments and steps; dist_checkpointing, every rank writes its shards)
+  optim/schedule.json  the learning-rate schedule's update counter (resume with the same plan).
   meta.json         format, global step, plan.
 """
 
@@ -96,8 +98,23 @@ def read_meta(root: Path) -> dict:
     return meta
 
 
-def optim_path(root: Path, rank: int) -> Path:
-    return root / "optim" / f"rank_{rank:05d}.pt"
+OPTIM_DIR = "optim"
+
+
+def check_optim_dir(root: Path) -> None:
+    """Refuse optimizer state this engine does not read (before any collective load)."""
+    optim = root / OPTIM_DIR
+    if any(optim.glob("rank_*.pt")):
+        raise CheckpointError(
+            f"{optim} holds pickled per-rank optimizer files (rank_NNNNN.pt) from an older "
+            "mcore_ep, which this engine does not unpickle: resume from its model weights only "
+            "(checkpoint.load_contents=[model]) or export them (python -m converters mcore-to-hf)"
+        )
+    if not (optim / "dist_ckpt" / ".metadata").is_file():
+        raise CheckpointError(
+            f"{optim} has no megatron-core optimizer checkpoint (dist_ckpt/.metadata): was the "
+            "save interrupted, or saved without the optimizer (checkpoint.save_contents)?"
+        )
 
 
 def prune(saved: list[Path], keep: int | None) -> None:
