@@ -29,7 +29,7 @@ class _CpuDeviceModule:
     and device-selection calls it lacks answer 0 / do nothing (there is no device memory)."""
 
     _fixed = {"get_device_name": lambda *_: "cpu", "is_available": lambda: True,
-              "device_count": lambda: 1, "current_device": lambda: 0,
+              "device_count": lambda: 1, "current_device": lambda: torch.device("cpu"),
               "manual_seed": torch.manual_seed, "manual_seed_all": torch.manual_seed,
               "mem_get_info": lambda *_: (0, 0)}  # fmt: skip
 
@@ -61,8 +61,9 @@ class PlatformCPU(PlatformBase):
     def is_platform_available(self, use_smi_check=False) -> bool:
         return os.environ.get("VERL_PLATFORM", "").strip().lower() == NAME
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> torch.device:
+        # verl passes it as `device=` / `.to(...)`: an index would mean cuda:0
+        return torch.device("cpu")
 
     def device_count(self) -> int:
         return 1

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from recipes.local.summary import print_summary, write_summary
 
-TINY_VOCAB = 48  # the task tokenizer's 45 tokens, rounded up
+TINY_VOCAB = 32  # the task tokenizer's 26 tokens, rounded up
 
 
 def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:

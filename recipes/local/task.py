@@ -8,13 +8,15 @@ reward manager then shapes with its overlong buffer, exactly as on the cluster.
 """
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# every character a prompt, an answer or the ChatML template needs, one token each
-CHARS = ("\n", " ", *"0123456789", "+", "-", "*", "=", *"abcdefghijklmnopqrstuvwxyz")
+# every character a prompt, an answer or the ChatML template ("user", "assistant") needs,
+# one token each: a small vocabulary keeps the first right answers likely enough to learn from
+CHARS = ("\n", *"0123456789", "+", "-", "*", "=", *"aeinrstu")
 VOCAB = (*SPECIALS, *CHARS)
 DATA_SOURCE = "math_dapo"
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -103,7 +105,13 @@ def write_data(out: Path, ops: str = "+-", max_operand: int = 4, repeats: int = 
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
-    """verl's math_dapo score of the response read as the final answer line (+1 / -1, `acc`)."""
+    """verl's math_dapo score (+1 / -1, `acc`) of the response's leading digits as the answer.
+
+    Trailing characters cost nothing here: the dapo reward manager's overlong buffer
+    penalises responses longer than the answer and its end token, which is what teaches
+    the policy to stop.
+    """
     from verl.utils.reward_score import math_dapo
 
-    return math_dapo.compute_score(f"Answer: {solution_str.strip()}", ground_truth)
+    answer = re.match(r"\d*", solution_str.strip()).group()
+    return math_dapo.compute_score(f"Answer: {answer}", ground_truth)
