@@ -286,11 +286,25 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.dapo.engine"
 
 
-def test_no_accelerator_runs_the_local_recipe(monkeypatch, nothing_starts, capsys):
+def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_path, capsys):
+    from recipes.local import run as local_run
+
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
-    assert launch.main(["--steps", "3", "--seed", "1"]) == 0
-    (cmd,) = nothing_starts
-    assert cmd[1:] == ["-m", "recipes.local.dapo", "--steps", "3", "--seed", "1"]
+    started = []
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    monkeypatch.setattr(local_run, "finish", lambda *args: 0)
+    assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
+    ((cmd, env),) = started
+    assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
+    for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu",
+                     "trainer.total_training_steps=3", "trainer.use_v1=true",
+                     "algorithm.filter_groups.enable=true",
+                     "actor_rollout_ref.actor.strategy=mcore_ep"):  # fmt: skip
+        assert override in cmd, override
+    assert env["VERL_PLATFORM"] == "cpu"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform,recipes.local.rollout"
+    assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
+    assert (tmp_path / "data" / "train.parquet").is_file()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
 
 

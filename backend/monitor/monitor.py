@@ -93,6 +93,7 @@ class ExpertLoadMonitor:
         )
         self._phase: int | None = None
         self.unlabelled_calls = 0  # router calls outside any phase this step (not counted)
+        self._skipping = False  # inside unmonitored()
 
     def attach(self, tap: RouterTap) -> "ExpertLoadMonitor":
         tap.add_listener(self.record)
@@ -111,9 +112,19 @@ class ExpertLoadMonitor:
         finally:
             self._phase = None
 
+    @contextmanager
+    def unmonitored(self) -> Iterator[None]:
+        """Router calls inside are deliberately not counted (e.g. the aux loss's counting
+        pass, which repeats the update's forwards)."""
+        self._skipping = True
+        try:
+            yield
+        finally:
+            self._skipping = False
+
     def record(self, call: RouterCall) -> None:
         """RouterTap listener: add this call's valid tokens to the open phase's counts."""
-        if call.recompute:
+        if call.recompute or self._skipping:
             return
         if self._phase is None:
             self.unlabelled_calls += 1

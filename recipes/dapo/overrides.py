@@ -177,6 +177,7 @@ def trainer(run: RunSpec) -> dict:
         "trainer.resume_mode": "auto",
         "trainer.val_before_train": True,
         "trainer.default_local_dir": run.ckpt_dir,
+        "hydra.run.dir": f"{run.ckpt_dir}/hydra",  # not ./outputs in the working directory
         "trainer.logger": ["console", "tensorboard"],
         "trainer.project_name": "mcore-moe-dapo",
         "trainer.experiment_name": f"qwen3-30b-a3b-{label}-tp{run.plan.tp}-ep{run.plan.ep}",

@@ -8,7 +8,7 @@ log line says which.
 """
 
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -59,8 +59,12 @@ class Routing:
                 [self.hook.valid_tokens(mb.valid_BS, mb.response_BS) for mb in micro_batches]
             )
 
+    @contextmanager
     def counting(self):
-        return self.hook.counting() if self.needs_counting_pass else nullcontext()
+        """The aux loss's counting pass: counted by the hook, not by the monitor."""
+        with (self.monitor.unmonitored() if self.monitor else nullcontext()):
+            with self.hook.counting() if self.needs_counting_pass else nullcontext():
+                yield
 
     def end_step(self) -> dict[str, float]:
         """Metrics of this optimizer step (collective over the world when instruments are on)."""

@@ -11,7 +11,8 @@ def latest_actor_checkpoint(root: Path) -> Path | None:
     steps = [
         (int(m.group(1)), p / "actor")
         for p in root.glob("global_step_*")
-        if (m := re.fullmatch(r"global_step_(\d+)", p.name)) and (p / "actor" / "meta.json").is_file()
+        if (m := re.fullmatch(r"global_step_(\d+)", p.name))
+        and (p / "actor" / "meta.json").is_file()
     ]
     return max(steps)[1] if steps else None
 
@@ -22,7 +23,15 @@ def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:
     from converters.cli import main as converters_main
 
     code = converters_main(
-        ["mcore-to-hf", str(actor), str(out), "--template", str(template), "--force", "--no-progress"]
+        [
+            "mcore-to-hf",
+            str(actor),
+            str(out),
+            "--template",
+            str(template),
+            "--force",
+            "--no-progress",
+        ]
     )
     if code != 0:
         raise RuntimeError(f"export of {actor} failed (converters exit {code})")

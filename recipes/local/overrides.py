@@ -17,6 +17,7 @@ TOY = dict(
     warmup_steps=3,
     overlong_buffer=2,
     inflight_gen_batches=2,
+    test_freq=5,
 )
 
 
@@ -31,7 +32,9 @@ def cpu_overrides(run) -> dict[str, dict]:
             "data.train_batch_size": TOY["train_batch_size"],
             "data.dataloader_num_workers": 0,
         },
-        "algorithm": {"algorithm.filter_groups.max_inflight_gen_batches": TOY["inflight_gen_batches"]},
+        "algorithm": {
+            "algorithm.filter_groups.max_inflight_gen_batches": TOY["inflight_gen_batches"]
+        },
         "policy": {
             f"{a}.ppo_mini_batch_size": TOY["train_batch_size"],
             f"{a}.ppo_max_token_len_per_gpu": 4096,
@@ -46,7 +49,8 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{r}.log_prob_max_token_len_per_gpu": 4096,
             f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
             f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
-            f"{r}.agent.num_workers": 1,
+            f"{r}.agent.num_workers": 2,
+            f"{r}.val_kwargs.n": 1,
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
         },
         "reward": {
@@ -58,8 +62,8 @@ def cpu_overrides(run) -> dict[str, dict]:
         },
         "trainer": {
             "trainer.save_freq": run.save_freq,
-            "trainer.test_freq": -1,
-            "trainer.val_before_train": False,
+            "trainer.test_freq": TOY["test_freq"],  # validation reward: the run's yardstick
+            "trainer.val_before_train": True,
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
             "trainer.experiment_name": f"tiny-qwen3-moe-cpu-tp{run.plan.tp}-ep{run.plan.ep}",

@@ -69,8 +69,19 @@ class CpuRolloutServer:
         """Load the whole received set (HF hub names) into the model; strict: all or nothing."""
         from converters.qwen3_moe import fuse_experts
 
-        state = fuse_experts(self.pending)
-        self.pending = {}
+        state, self.pending = fuse_experts(self.pending), {}
+        expected = {k: v.shape for k, v in self.model.state_dict().items()}
+        got = {k: v.shape for k, v in state.items()}
+        if got != expected:  # load_state_dict would copy the matching part before raising
+            missing, extra = (
+                sorted(expected.keys() - got.keys()),
+                sorted(got.keys() - expected.keys()),
+            )
+            wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+            raise ValueError(
+                f"weight update does not match the rollout model: missing {missing[:3]}, "
+                f"unexpected {extra[:3]}, wrong shape {wrong[:3]}; nothing was loaded"
+            )
         self.model.load_state_dict(state, strict=True)
         self.weight_updates += 1
         if global_steps is not None:
@@ -83,9 +94,7 @@ class CpuRolloutServer:
         self._routing.append(output[2])  # router_indices [T, top_k]
 
     @torch.no_grad()
-    def generate(
-        self, prompt_ids, sampling_params: dict, request_id: str, **unused
-    ) -> TokenOutput:
+    def generate(self, prompt_ids, sampling_params: dict, request_id: str, **unused) -> TokenOutput:
         from transformers import DynamicCache
 
         temperature = float(sampling_params.get("temperature", 1.0))
@@ -187,7 +196,9 @@ class CpuServerAdapter(BaseRollout):
         rank = int(os.environ["RANK"])
         self.replica_rank = rank // size if replica_rank == -1 else replica_rank
         self.has_server = rank % size == 0
-        self.bucket_bytes = (c.checkpoint_engine.update_weights_bucket_megabytes << 20) or BUCKET_BYTES
+        self.bucket_bytes = (
+            c.checkpoint_engine.update_weights_bucket_megabytes << 20
+        ) or BUCKET_BYTES
         self._server = None
 
     @property

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from recipes.local.summary import print_summary, write_summary
+from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 TINY_VOCAB = 32  # the task tokenizer's 26 tokens, rounded up
 
@@ -59,7 +59,7 @@ def job_env(repo: Path, out: Path) -> dict[str, str]:
     }
 
 
-def finish(out: Path, hf_dir: Path, wall_s: float, target: float = 0.9) -> int:
+def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float = 0.9) -> int:
     """Export, reload check, routing report, reward curve, summary (after verl returns)."""
     from recipes.local.export import check_export, latest_actor_checkpoint
 
@@ -71,7 +71,9 @@ def finish(out: Path, hf_dir: Path, wall_s: float, target: float = 0.9) -> int:
         export_dir, diff = check_export(actor, hf_dir, out / "export_hf")
         paths["export"] = export_dir
         paths.update(render_routing_report(actor / "moe_report.json", out))
-    summary = write_summary(out, history, target, paths, wall_s, export_max_logits_diff=diff)
+    stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
+    summary = write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
+                            export_max_logits_diff=diff)  # fmt: skip
     print_summary(summary)
     if diff is not None:
         print(f"export reloads in transformers: max |logits diff| = {diff:.2e}")
@@ -107,7 +109,8 @@ def run(resolved, out: Path, hf_dir: Path, t0: float) -> int:
     from recipes.dapo.cluster import run_command
 
     code = run_command(resolved.command, resolved.run.env)
+    verl_s = time.perf_counter() - t0
     if code != 0:
         print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
         return code
-    return finish(out, hf_dir, time.perf_counter() - t0)
+    return finish(out, hf_dir, time.perf_counter() - t0, verl_s)

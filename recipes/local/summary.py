@@ -1,21 +1,31 @@
-"""End-of-run summary: reward-curve PNG, summary.json, and the lines printed to the console."""
+"""End-of-run summary from verl's metrics: reward-curve PNG, summary.json, console lines.
+
+The yardstick is verl's validation of the DAPO recipe (`trainer.test_freq`): the reward of
+one sampled response per validation prompt (score and overlong penalty, as trained on) and
+its accuracy. Train-batch scores are plotted too, but dynamic sampling keeps only groups
+whose accuracy varies, so they stay below what the policy does.
+"""
 
 import json
 from pathlib import Path
 
-REWARD_KEY, ACC_KEY = "rollout/reward_mean", "rollout/acc_mean"
+REWARD_KEY = "val-aux/math_dapo/reward/mean@1"
+ACC_KEY = "val-core/math_dapo/acc/mean@1"
+TRAIN_SCORE_KEY = "critic/score/mean"
+STEP_TIME_KEYS = ("timing_s/step", "timing_s/testing")
 
 
 def first_step_at(history: list[dict], key: str, threshold: float) -> int | None:
     return next((row["step"] for row in history if row.get(key, float("-inf")) >= threshold), None)
 
 
-def _clocks_at(history: list[dict], step: int | None) -> dict:
-    row = next((r for r in history if r["step"] == step), None)
-    return {
-        "seconds_to_target": round(row["time/elapsed_s"], 1) if row else None,
-        "cpu_seconds_to_target": round(row["time/cpu_s"], 1) if row else None,
-    }
+def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
+    """Wall seconds from launch to the end of each step: start-up + the steps' own timings."""
+    out, total = {}, startup_s
+    for row in history:
+        total += sum(row.get(k, 0.0) for k in STEP_TIME_KEYS)
+        out[row["step"]] = round(total, 1)
+    return out
 
 
 def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
@@ -24,14 +34,15 @@ def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [row["step"] for row in history]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(steps, [row[REWARD_KEY] for row in history], label="mean reward (all rollouts)")
-    ax.plot(steps, [row[ACC_KEY] for row in history], label="accuracy", alpha=0.7)
+    for key, label in ((REWARD_KEY, "validation reward"), (ACC_KEY, "validation accuracy"),
+                       (TRAIN_SCORE_KEY, "train batch score (kept groups)")):  # fmt: skip
+        rows = [r for r in history if key in r]
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".", label=label)
     ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:g}")
     ax.set_xlabel("step")
     ax.set_ylim(-2.1, 1.05)
-    ax.set_title("DAPO on the tiny Qwen3-MoE (megatron-core, CPU)")
+    ax.set_title("verl DAPO, tiny Qwen3-MoE, megatron-core actor on CPU")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -41,19 +52,25 @@ def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
     return path
 
 
-def write_summary(
-    out: Path, history: list[dict], target: float, paths: dict, wall_s: float, **extra
-) -> dict:
+def write_summary(out: Path, history: list[dict], target: float, paths: dict, wall_s: float,
+                  startup_s: float, **extra) -> dict:  # fmt: skip
     """Write reward_curve.png and summary.json under `out`; return the summary dict."""
-    reached = first_step_at(history, REWARD_KEY, target)
+    validated = [r for r in history if REWARD_KEY in r]
+    reached = first_step_at(validated, REWARD_KEY, target)
+    steps = [r for r in history if r["step"] > 0]
     summary = {
-        "steps": history[-1]["step"] if history else 0,
-        "start_reward": history[0][REWARD_KEY] if history else None,
-        "final_reward": history[-1][REWARD_KEY] if history else None,
+        "steps": steps[-1]["step"] if steps else 0,
+        "start_reward": validated[0][REWARD_KEY] if validated else None,
+        "final_reward": validated[-1][REWARD_KEY] if validated else None,
+        "final_accuracy": validated[-1][ACC_KEY] if validated else None,
         "target_reward": target,
         "first_step_at_target": reached,
-        **_clocks_at(history, reached),
+        "seconds_to_target": elapsed_at(history, startup_s).get(reached),
+        "startup_s": round(startup_s, 1),
         "wall_s": round(wall_s, 1),
+        "steps_per_min": round(
+            60 * len(steps) / max(sum(r.get("timing_s/step", 0) for r in steps), 1e-9), 2
+        ),
         "reward_curve": str(plot_reward_curve(history, out / "reward_curve.png", target)),
         **{k: str(v) if v is not None else None for k, v in paths.items()},
         **extra,
@@ -64,16 +81,14 @@ def write_summary(
 
 def print_summary(summary: dict) -> None:
     reached = summary["first_step_at_target"]
-    when = (
-        f"step {reached} ({summary['seconds_to_target']}s wall, "
-        f"{summary['cpu_seconds_to_target']}s CPU)"
-        if reached is not None
-        else "never"
-    )
-    print(
-        f"reward {summary['start_reward']:.3f} -> {summary['final_reward']:.3f} over "
-        f"{summary['steps']} steps; >= {summary['target_reward']:g} first at {when}"
-    )
+    when = (f"step {reached} ({summary['seconds_to_target']}s from launch)"
+            if reached is not None else "never")  # fmt: skip
+    start, final = summary["start_reward"], summary["final_reward"]
+    if start is not None:
+        print(f"validation reward {start:.3f} -> {final:.3f} over {summary['steps']} steps "
+              f"(accuracy {summary['final_accuracy']:.2f}); >= {summary['target_reward']:g} "
+              f"first at {when}")  # fmt: skip
+    print(f"{summary['steps_per_min']} steps/min; start-up {summary['startup_s']}s")
     for key in ("reward_curve", "routing_report", "routing_html", "tensorboard", "export",
                 "checkpoint"):  # fmt: skip
         if summary.get(key):

@@ -1,0 +1,126 @@
+"""verl's own DAPO trainer end to end on CPU: the path a cluster runs, with the CPU platform.
+
+`python -m recipes.dapo.launch --device cpu` (what `bash scripts/train_mcore.sh` runs without
+an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic sampling,
+our mcore_ep engine with megatron-core's distributed optimizer, the CPU rollout fed only by
+verl's weight sync, the dapo reward manager, checkpoints in verl's layout and resume_mode=auto.
+A few steps each; the learning curve itself is measured by the main command (README).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
+
+
+def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ckpt-dir", str(out),
+           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", *overrides]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], proc.stderr[-5000:])
+    return proc
+
+
+def history(out: Path) -> dict[int, dict]:
+    from recipes.local.run import read_history
+
+    return {row["step"]: row for row in read_history(out / "metrics.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory):
+    """Three steps at world 1, checkpoints after steps 2 and 3."""
+    out = tmp_path_factory.mktemp("cpu_dapo")
+    proc = launch(out, "--steps", "3", overrides=("trainer.save_freq=2",))
+    assert proc.returncode == 0
+    return out, proc
+
+
+def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
+    out, _ = run3
+    rows = history(out)
+    assert sorted(rows) == [1, 2, 3]
+    for step, row in rows.items():
+        # the rollout's per-token log-probs (transformers, weights only from verl's sync)
+        # against the actor's old log-probs on the same sequences (megatron-core)
+        assert row["training/rollout_probs_diff_valid"] == 1.0, step
+        assert row["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, step
+        assert row["actor/grad_norm"] > 0, step
+
+
+def test_dynamic_sampling_evicts_groups_without_variance(run3):
+    rows = history(run3[0])
+    # the random policy answers most prompts wrong n times out of n: those groups must go
+    assert sum(row["training/filter_groups/evicted_samples"] for row in rows.values()) > 0
+    assert all(row["critic/advantages/max"] > 0 for row in rows.values())
+
+
+def test_monitor_and_aux_loss_act_inside_verls_update(run3):
+    row = history(run3[0])[3]
+    assert row["actor/moe/aux_loss/applied"] == 1.0
+    assert row["actor/moe/update/tokens"] > 0 and row["actor/moe/old_log_prob/tokens"] > 0
+    report = json.loads((run3[0] / "routing_report.json").read_text())
+    assert report["steps"], "the routing report holds the run's steps"
+
+
+def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
+    out, proc = run3
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    for step in (2, 3):
+        actor = ckpt / f"global_step_{step}" / "actor"
+        assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
+        assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
+        assert json.loads((actor / "meta.json").read_text())["global_step"] == step
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_max_logits_diff"] < 1e-4
+    assert (out / "export_hf" / "config.json").is_file()
+    assert (out / "reward_curve.png").is_file()
+    assert "export reloads in transformers" in proc.stdout
+
+
+def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
+    """A run killed after its step-2 save: resume_mode=auto loads it and trains step 3."""
+    src, _ = run3
+    out = tmp_path / "resumed"
+    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
+    shutil.copytree(src / "data", out / "data")
+    shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    rows = [line for line in (src / "metrics.jsonl").read_text().splitlines()]
+    # the killed run logged steps 1-2 and half a line of step 3
+    (out / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
+    proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
+    assert proc.returncode == 0
+    assert "Resuming from" in proc.stdout + proc.stderr
+    resumed = history(out)
+    assert sorted(resumed) == [1, 2, 3]
+    # step 3 ran on the checkpoint's weights: the rollout got them through the sync after
+    # the load, and the actor's log-probs agree with the rollout's
+    assert resumed[3]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
+    assert resumed[3]["training/global_step"] == 3
+    assert (
+        json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
+        == 3
+    )
+
+
+def test_tp2_ep2_on_two_ranks(tmp_path):
+    proc = launch(tmp_path, "--tp", "2", "--ep", "2", "--steps", "2",
+                  overrides=("trainer.save_freq=2",))  # fmt: skip
+    assert proc.returncode == 0
+    rows = history(tmp_path)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
+    meta = json.loads((tmp_path / "checkpoints/global_step_2/actor/meta.json").read_text())
+    assert meta["plan"]["tp"] == 2 and meta["plan"]["ep"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["export_max_logits_diff"] < 1e-4
