@@ -154,9 +154,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: s
     try:
         with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "hf-to-mcore", progress) as bar, \
                 ReadAhead(layout.pieces, materialize, layout.nbytes) as params:
-            save_streaming(layout, params, tmp, bar.update)
+            hashed = save_streaming(layout, params, tmp, bar.update)
             shutil.copy2(hf_dir / "config.json", tmp / HF_CONFIG)
-            manifest.write(tmp, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(tmp, hashed, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
     finally:
         manifest.close()
     return out
@@ -236,12 +236,14 @@ def load_spec_for(reader: DistReader, config: str | Path | None, template: str |
 def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Path,
                         config: str | Path | None = None, dtype: str | None = None,
                         max_shard_bytes: int = 4 << 30, force: bool = False,
-                        progress: bool = False) -> Path:
+                        progress: bool = False, check_manifest: bool = True) -> Path:
+    """check_manifest: every source file and chunk is checked against the source's
+    manifest.json as it is read (refused without one)."""
     out, template = Path(out).absolute(), Path(template)
     check_target(out, force)
     if not (template / "config.json").is_file():
         raise ConversionError(f"--template {template} has no config.json: pass the original HF model dir")
-    reader = DistReader(ckpt)
+    reader = DistReader(ckpt, check_manifest=check_manifest)
     spec, source = load_spec_for(reader, config, template)
     layout = build_layout(spec, torch.float32)
     check_global_shapes(reader, layout, source)
@@ -261,7 +263,7 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
             finally:
                 writer.abort()
             copy_template(template, tmp)
-            manifest.write(tmp, source=str(reader.root), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(tmp, writer.hashed, source=str(reader.root), dtype=str(layout.dtype).removeprefix("torch."))
     finally:
         manifest.close()
     return out
