@@ -58,11 +58,11 @@ def _aux_section(report: Report, tmp: Path) -> list[str]:
     return [h.heading("router aux loss"), h.image("aux_loss.png", "aux loss over steps")]
 
 
-def render(report: Report, out: str | Path, phases: list[str] | None = None) -> Path:
+def render(report: Report, out: str | Path, phases: list[str] | None = None, force: bool = False) -> Path:
     """index.html + per-phase heatmap, imbalance-over-steps and EP-load PNGs (and the aux loss
     when the steps carry it), written atomically."""
     names = phases or [p for p in report.data["phases"] if report.cumulative(p).sum() > 0]
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, force) as tmp:
         parts = [_meta_table(report)]
         for phase in names:
             parts += _phase_section(report, phase, tmp)
