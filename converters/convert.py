@@ -81,7 +81,7 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
     rows, used = table(spec), set()
     missing = [h for _, hf in rows.values() for h in hf if h not in src.entries]
     if missing:
-        raise MappingError(f"HF checkpoint lacks {missing[0]} (and {len(missing) - 1} more): "
+        raise MappingError(f"HF checkpoint lacks {_first(missing)}: "
                            "is the checkpoint complete and for this config.json?")
     for name, (row, hf) in rows.items():
         used.update(hf)
@@ -91,8 +91,12 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
                                    f"{tuple(part.shape)}: config.json and the weights disagree")
     extra = sorted(n for n in src.entries if n not in used and not HF_IGNORED.match(n))
     if extra:
-        raise MappingError(f"HF checkpoint has {extra[0]} (and {len(extra) - 1} more) that this config "
+        raise MappingError(f"HF checkpoint has {_first(extra)} that this config "
                            "does not use: does config.json (layers, experts) match the weights?")
+
+
+def _first(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
 def read_param_from_hf(src: HFSource, layout: Layout, row: Row, hf: tuple[str, ...], name: str,
