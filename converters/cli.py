@@ -80,7 +80,8 @@ def positive_int(text: str) -> int:
 def _run(args) -> int:
     from converters import convert, verify
 
-    progress = not getattr(args, "no_progress", True)
+    # a bar only on a terminal: in a log or a pipe it would break the one-line error contract
+    progress = not getattr(args, "no_progress", True) and sys.stderr.isatty()
     if args.verb == "hf-to-mcore":
         plan = (args.tp, args.ep, args.pp, args.etp)
         out = convert.convert_hf_to_mcore(args.hf_dir, args.out, target_config=args.target_config,

@@ -263,6 +263,7 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
                 for name, tensor in hf_tensors(reader, layout, spec, manifest):
                     writer.write(name, tensor)
                     bar.update(tensor.nbytes)
+                reader.check_unread()  # before the output can appear
                 writer.close()
             finally:
                 writer.abort()

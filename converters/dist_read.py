@@ -68,6 +68,11 @@ class DistReader:
         if self.hashes is not None:  # megatron's non-sharded part: not read here, but exported with it
             self._small_file(COMMON)
 
+    def check_unread(self) -> None:
+        """With check_manifest: the byte ranges not read so far, against the manifest."""
+        if self.hashes is not None:
+            self.hashes.check_unread()
+
     def _small_file(self, name: str) -> bytes | None:
         """A small file's bytes, checked against the manifest when there is one to check."""
         path = self.root / name
