@@ -50,8 +50,13 @@ def error_line(err: BaseException) -> str:
     return f"error: {_one_line(err)}"
 
 
-def run_cli(body: Callable[[], int], *, debug: bool, user_errors: tuple[type[BaseException], ...],
-            interrupted: str = "nothing half-written was left") -> int:
+def run_cli(
+    body: Callable[[], int],
+    *,
+    debug: bool,
+    user_errors: tuple[type[BaseException], ...],
+    interrupted: str = "nothing half-written was left",
+) -> int:
     """body()'s exit status under the contract above (signal handlers installed meanwhile)."""
     main_thread = threading.current_thread() is threading.main_thread()  # signals go to it only
     signals = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
@@ -75,8 +80,11 @@ def run_cli(body: Callable[[], int], *, debug: bool, user_errors: tuple[type[Bas
     except Exception as err:
         if debug:
             raise
-        print(f"error: internal error {type(err).__name__}: {_one_line(err)} (a bug: rerun with --debug "
-              "and report the traceback)", file=sys.stderr)
+        print(
+            f"error: internal error {type(err).__name__}: {_one_line(err)} (a bug: rerun with --debug "
+            "and report the traceback)",
+            file=sys.stderr,
+        )
         return BUG
     finally:
         for sig, handler in previous.items():

@@ -41,10 +41,14 @@ def _flatten(value, tensors: dict[str, torch.Tensor], where: str):
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str | int) or isinstance(k, bool)]
         if bad:
-            raise StateError(f"{where} has a key {bad[0]!r} of type {type(bad[0]).__name__}: only str and int keys are saved")
+            raise StateError(
+                f"{where} has a key {bad[0]!r} of type {type(bad[0]).__name__}: only str and int keys are saved"
+            )
         return {_DICT: [[k, _flatten(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
-    raise StateError(f"{where} is a {type(value).__name__}: only tensors, numbers, strings, None and "
-                     "lists/tuples/dicts of them are saved; convert it first")
+    raise StateError(
+        f"{where} is a {type(value).__name__}: only tensors, numbers, strings, None and "
+        "lists/tuples/dicts of them are saved; convert it first"
+    )
 
 
 def _own_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -97,15 +101,24 @@ def _fsync(path: Path) -> None:
 def load_state(path: str | Path):
     """The state saved at `path` (no code runs); StateError naming the file when damaged."""
     path = Path(path)
-    tensor_file, skeleton_file = path.with_name(path.name + TENSORS), path.with_name(path.name + SKELETON)
+    tensor_file, skeleton_file = (
+        path.with_name(path.name + TENSORS),
+        path.with_name(path.name + SKELETON),
+    )
     try:
         skeleton = json.loads(skeleton_file.read_text())
         tensors = load_file(tensor_file)
         return _unflatten(skeleton["state"], tensors)
     except FileNotFoundError as err:
-        raise StateError(f"{err.filename} is missing: the save did not finish; resume from an earlier checkpoint") from None
+        raise StateError(
+            f"{err.filename} is missing: the save did not finish; resume from an earlier checkpoint"
+        ) from None
     except (SafetensorError, OSError) as err:
-        raise StateError(f"{tensor_file} is unreadable ({err}): resume from an earlier checkpoint") from None
+        raise StateError(
+            f"{tensor_file} is unreadable ({err}): resume from an earlier checkpoint"
+        ) from None
     except (ValueError, KeyError, TypeError, IndexError) as err:
-        raise StateError(f"{skeleton_file} is damaged ({type(err).__name__}: {err}): "
-                         "resume from an earlier checkpoint") from None
+        raise StateError(
+            f"{skeleton_file} is damaged ({type(err).__name__}: {err}): "
+            "resume from an earlier checkpoint"
+        ) from None

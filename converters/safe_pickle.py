@@ -30,14 +30,38 @@ _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 
 # what torch 2.13's DCP and megatron-core 0.12 / 0.16 write into .metadata (tests read real saves)
 ALLOWED = frozenset(
-    [(f"{_DCP}.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")]
-    + [(f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
-    + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]
-    + [("torch", str(d).removeprefix("torch.")) for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    [
+        (f"{_DCP}.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
+    + [
+        (f"{_DCP}.planner", n)
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    ]
+    + [
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    ]
+    + [
+        ("torch", str(d).removeprefix("torch."))
+        for d in vars(torch).values()
+        if isinstance(d, torch.dtype)
+    ]
 )
 # megatron's empty marker classes (MCoreSavePlan: 0.12 saves; MCoreMetadata: 0.15 optimizer
 # saves): built as a placeholder, so megatron need not be imported to read a checkpoint
@@ -70,12 +94,15 @@ class MetadataUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(
                 f"{self.source} references {module}.{name}, which a torch_dist checkpoint never "
                 "holds: refusing to load it (nothing in it was run); re-save the checkpoint or "
-                "restore it from a trusted copy")
+                "restore it from a trusted copy"
+            )
         return getattr(importlib.import_module(module), name)  # one attribute, never a dotted path
 
     def persistent_load(self, pid):
-        raise UnsafeCheckpointError(f"{self.source} holds a persistent reference, which .metadata never does: "
-                                    "re-save the checkpoint or restore it from a trusted copy")
+        raise UnsafeCheckpointError(
+            f"{self.source} holds a persistent reference, which .metadata never does: "
+            "re-save the checkpoint or restore it from a trusted copy"
+        )
 
 
 def load_metadata(path: str | Path, raw: bytes | None = None):
@@ -87,10 +114,14 @@ def load_metadata(path: str | Path, raw: bytes | None = None):
     except UnsafeCheckpointError:
         raise
     except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist: pass a megatron-core torch_dist checkpoint directory") from None
+        raise CheckpointError(
+            f"{path} does not exist: pass a megatron-core torch_dist checkpoint directory"
+        ) from None
     except Exception as err:  # any malformed pickle (truncated, wrong opcodes, bad arguments)
-        raise CheckpointError(f"{path} is unreadable ({type(err).__name__}: {err}): "
-                              "the save did not finish; re-save the checkpoint") from None
+        raise CheckpointError(
+            f"{path} is unreadable ({type(err).__name__}: {err}): "
+            "the save did not finish; re-save the checkpoint"
+        ) from None
 
 
 def check_metadata(path: str | Path) -> None:
@@ -104,12 +135,15 @@ def load_weights_only(data: bytes, what: str):
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UnsafeCheckpointError(f"{what} is not plain tensor data ({first}): refusing to load it "
-                                    "(nothing in it was run); re-save the checkpoint or restore it "
-                                    "from a trusted copy") from None
+        raise UnsafeCheckpointError(
+            f"{what} is not plain tensor data ({first}): refusing to load it "
+            "(nothing in it was run); re-save the checkpoint or restore it "
+            "from a trusted copy"
+        ) from None
     except Exception as err:
-        raise CheckpointError(f"{what} is unreadable ({type(err).__name__}): "
-                              "re-save the checkpoint") from None
+        raise CheckpointError(
+            f"{what} is unreadable ({type(err).__name__}): re-save the checkpoint"
+        ) from None
 
 
 def check_dist_checkpoint(ckpt_dir: str | Path) -> None:
@@ -124,20 +158,26 @@ def check_dist_checkpoint(ckpt_dir: str | Path) -> None:
     byte_keys = {k for k, v in meta.state_dict_metadata.items() if not hasattr(v, "chunks")}
     for index, info in meta.storage_data.items():
         if index.fqn in byte_keys:
-            load_weights_only(_read_range(root, info), f"{root / info.relative_path} item {index.fqn}")
+            load_weights_only(
+                _read_range(root, info), f"{root / info.relative_path} item {index.fqn}"
+            )
 
 
 def _read_range(root: Path, info) -> bytes:
     path = root / info.relative_path
     if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
-        raise UnsafeCheckpointError(f"{root / METADATA} points outside the checkpoint ({info.relative_path}): "
-                                    "re-save the checkpoint or restore it from a trusted copy")
+        raise UnsafeCheckpointError(
+            f"{root / METADATA} points outside the checkpoint ({info.relative_path}): "
+            "re-save the checkpoint or restore it from a trusted copy"
+        )
     try:
         with open(path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
     except OSError as err:
-        raise CheckpointError(f"{path} is unreadable ({err.strerror}): re-save or re-copy the checkpoint") from None
+        raise CheckpointError(
+            f"{path} is unreadable ({err.strerror}): re-save or re-copy the checkpoint"
+        ) from None
     if len(data) != info.length:
         raise CheckpointError(f"{path} is truncated: re-save or re-copy the checkpoint")
     return data

@@ -26,10 +26,15 @@ def _main(cli: str):
 
 
 def _pattern(message: str, ctx: Ctx) -> re.Pattern:
-    known = {"tmp": str(ctx.tmp), "hf": str(ctx.hf), "mcore": str(ctx.mcore), "pid": str(os.getpid())}
+    known = {
+        "tmp": str(ctx.tmp),
+        "hf": str(ctx.hf),
+        "mcore": str(ctx.mcore),
+        "pid": str(os.getpid()),
+    }
     parts, at = [], 0
     for match in PLACEHOLDER.finditer(message):
-        parts.append(re.escape(message[at:match.start()]))
+        parts.append(re.escape(message[at : match.start()]))
         name = match[1]
         parts.append(re.escape(known[name]) if name in known else ".+?")
         at = match.end()
@@ -45,7 +50,9 @@ def sources(tiny_hf_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("recipes.dapo.cluster.run_command", lambda cmd, env: pytest.fail(f"started {cmd}"))
+    monkeypatch.setattr(
+        "recipes.dapo.cluster.run_command", lambda cmd, env: pytest.fail(f"started {cmd}")
+    )
     ctx = Ctx(tmp_path, *sources)
     argv = [str(a) for a in case.setup(ctx)]
     capsys.readouterr()
@@ -60,11 +67,22 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
         assert err.count("\n") == 1 and pattern.fullmatch(err.rstrip("\n")), err
     else:
         assert any(pattern.fullmatch(line) for line in out.splitlines()), out
-    assert not {"out", "o", "pwned"} & {p.name for p in tmp_path.iterdir()}  # nothing written, nothing run
+    assert not {"out", "o", "pwned"} & {
+        p.name for p in tmp_path.iterdir()
+    }  # nothing written, nothing run
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or p.name.endswith(".lock")]
 
 
 def test_every_cli_has_its_rows_and_the_table_is_current():
-    counts = {cli: sum(c.cli == cli for c in CASES) for cli in ("converters", "parallel", "launcher", "monitor")}
-    assert counts["converters"] >= 20 and counts["parallel"] + counts["launcher"] >= 12 and counts["monitor"] >= 8
-    assert (REPO / "docs" / "bad_inputs.md").read_text() == table(), "run: python -m tests.bad_inputs > docs/bad_inputs.md"
+    counts = {
+        cli: sum(c.cli == cli for c in CASES)
+        for cli in ("converters", "parallel", "launcher", "monitor")
+    }
+    assert (
+        counts["converters"] >= 20
+        and counts["parallel"] + counts["launcher"] >= 12
+        and counts["monitor"] >= 8
+    )
+    assert (REPO / "docs" / "bad_inputs.md").read_text() == table(), (
+        "run: python -m tests.bad_inputs > docs/bad_inputs.md"
+    )

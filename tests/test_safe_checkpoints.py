@@ -25,6 +25,7 @@ pytestmark = pytest.mark.mcore_compat
 
 def _global(module: str, name: str) -> bytes:
     """Protocol-4 STACK_GLOBAL of module.name (the name may be dotted, as pickle allows)."""
+
     def text(s: str) -> bytes:
         raw = s.encode()
         return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
@@ -50,16 +51,28 @@ class _System:
 def _payloads(victim: Path) -> dict[str, tuple[bytes, str]]:
     """name -> (pickle bytes, the (module.name) the refusal must name)."""
     return {
-        "dotted name": (_call("torch.distributed.checkpoint.filesystem", "os.mkdir", str(victim)),
-                        "torch.distributed.checkpoint.filesystem.os.mkdir"),
-        "os.system via REDUCE": (pickle.dumps(_System(f"mkdir {victim}"), protocol=2), "posix.system"),
+        "dotted name": (
+            _call("torch.distributed.checkpoint.filesystem", "os.mkdir", str(victim)),
+            "torch.distributed.checkpoint.filesystem.os.mkdir",
+        ),
+        "os.system via REDUCE": (
+            pickle.dumps(_System(f"mkdir {victim}"), protocol=2),
+            "posix.system",
+        ),
         "class outside the list": (_call("subprocess", "Popen", "mkdir"), "subprocess.Popen"),
-        "allowed module, other name": (_call("torch.distributed.checkpoint.metadata", "os.mkdir", str(victim)),
-                                       "torch.distributed.checkpoint.metadata.os.mkdir"),
+        "allowed module, other name": (
+            _call("torch.distributed.checkpoint.metadata", "os.mkdir", str(victim)),
+            "torch.distributed.checkpoint.metadata.os.mkdir",
+        ),
     }
 
 
-PAYLOADS = ["dotted name", "os.system via REDUCE", "class outside the list", "allowed module, other name"]
+PAYLOADS = [
+    "dotted name",
+    "os.system via REDUCE",
+    "class outside the list",
+    "allowed module, other name",
+]
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -71,7 +84,9 @@ def test_crafted_metadata_is_refused_in_one_line_without_side_effect(payload, tm
     with pytest.raises(UnsafeCheckpointError) as err:
         check_metadata(meta)
     message = str(err.value)
-    assert message.startswith(f"{meta} references {named}, which a torch_dist checkpoint never holds")
+    assert message.startswith(
+        f"{meta} references {named}, which a torch_dist checkpoint never holds"
+    )
     assert "\n" not in message and "nothing in it was run" in message
     assert not victim.exists()
 
@@ -88,9 +103,16 @@ def megatron_save(tmp_path_factory, tiny_hf_dir, world1):
 
     model = build_model(load_qwen3_moe_spec(tiny_hf_dir), world1)
     state = model.sharded_state_dict()
-    state["param_groups"] = ShardedObject("optimizer.param_groups", {"lr": 1e-3, "betas": (0.9, 0.95), "step": 3},
-                                          (1,), (0,), replica_id=0)
-    state["exp_avg"] = ShardedTensor.from_rank_offsets("optimizer.exp_avg", torch.ones(4, 3), replica_id=0)
+    state["param_groups"] = ShardedObject(
+        "optimizer.param_groups",
+        {"lr": 1e-3, "betas": (0.9, 0.95), "step": 3},
+        (1,),
+        (0,),
+        replica_id=0,
+    )
+    state["exp_avg"] = ShardedTensor.from_rank_offsets(
+        "optimizer.exp_avg", torch.ones(4, 3), replica_id=0
+    )
     out = tmp_path_factory.mktemp("megatron") / "dist_ckpt"
     out.mkdir()
     dist_checkpointing.save(state, str(out))
@@ -111,7 +133,11 @@ def test_a_real_megatron_save_passes_and_its_manifest_round_trips(megatron_save,
     data.write_bytes(bytes(raw))
     (ckpt / "common.pt").write_bytes((ckpt / "common.pt").read_bytes() + b"\0")
     problems = manifest_problems(ckpt)
-    assert len(problems) == 2 and problems[0].startswith(f"{data}: bytes ") and problems[0].endswith(" differ from manifest.json")
+    assert (
+        len(problems) == 2
+        and problems[0].startswith(f"{data}: bytes ")
+        and problems[0].endswith(" differ from manifest.json")
+    )
     assert problems[1] == f"{ckpt / 'common.pt'}: 1256 bytes, manifest.json says 1255"
     with pytest.raises(ManifestError, match=r"\(1 more problems\): the checkpoint was damaged"):
         verify_manifest(ckpt)
@@ -121,7 +147,9 @@ def test_a_crafted_byte_item_or_common_pt_is_refused(megatron_save, tmp_path):
     victim = tmp_path / "victim"
     ckpt = shutil.copytree(megatron_save, tmp_path / "ckpt")
     torch.save(_System(f"mkdir {victim}"), ckpt / "common.pt")
-    with pytest.raises(UnsafeCheckpointError, match=f"{ckpt / 'common.pt'} is not plain tensor data"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=f"{ckpt / 'common.pt'} is not plain tensor data"
+    ):
         check_dist_checkpoint(ckpt)
     assert not victim.exists()
 
@@ -130,33 +158,69 @@ def test_cli_refuses_a_crafted_checkpoint_in_one_line(megatron_save, tmp_path, t
     victim = tmp_path / "victim"
     ckpt = shutil.copytree(megatron_save, tmp_path / "ckpt")
     (ckpt / ".metadata").write_bytes(_payloads(victim)["dotted name"][0])
-    for argv in (["verify", str(ckpt), str(tiny_hf_dir)],
-                 ["mcore-to-hf", str(ckpt), str(tmp_path / "out"), "--template", str(tiny_hf_dir),
-                  "--no-manifest-check"]):
+    for argv in (
+        ["verify", str(ckpt), str(tiny_hf_dir)],
+        [
+            "mcore-to-hf",
+            str(ckpt),
+            str(tmp_path / "out"),
+            "--template",
+            str(tiny_hf_dir),
+            "--no-manifest-check",
+        ],
+    ):
         assert converters_main(argv) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "references torch.distributed.checkpoint.filesystem.os.mkdir" in err
+        assert (
+            err.count("\n") == 1
+            and "references torch.distributed.checkpoint.filesystem.os.mkdir" in err
+        )
     assert not victim.exists() and not (tmp_path / "out").exists()
 
 
 # ---- per-rank state as tensors + JSON ----------------------------------------------------
 
+
 def test_state_round_trips_exactly(tmp_path):
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     state = {
-        "state": {0: {"exp_avg": base.t(), "exp_avg_sq": base[1:], "step": torch.tensor(7)},
-                  1: {"exp_avg": torch.zeros(0, 5, dtype=torch.bfloat16)}},
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": float("inf"), "params": [0, 1],
-                          "name": None, "amsgrad": False}],
-        "nan": float("nan"), "7": "str key, not int",
+        "state": {
+            0: {"exp_avg": base.t(), "exp_avg_sq": base[1:], "step": torch.tensor(7)},
+            1: {"exp_avg": torch.zeros(0, 5, dtype=torch.bfloat16)},
+        },
+        "param_groups": [
+            {
+                "lr": 1e-3,
+                "betas": (0.9, 0.95),
+                "eps": float("inf"),
+                "params": [0, 1],
+                "name": None,
+                "amsgrad": False,
+            }
+        ],
+        "nan": float("nan"),
+        "7": "str key, not int",
     }
     save_state(state, tmp_path / "rank_00000")
     back = load_state(tmp_path / "rank_00000")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_00000.json", "rank_00000.safetensors"]
-    assert back["state"][0]["exp_avg"].equal(base.t()) and back["state"][0]["exp_avg_sq"].equal(base[1:])
-    assert back["state"][1]["exp_avg"].dtype == torch.bfloat16 and back["state"][1]["exp_avg"].shape == (0, 5)
-    assert back["param_groups"][0]["betas"] == (0.9, 0.95) and back["param_groups"][0]["eps"] == float("inf")
-    assert list(back) == list(state) and list(back["state"]) == [0, 1] and back["7"] == "str key, not int"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank_00000.json",
+        "rank_00000.safetensors",
+    ]
+    assert back["state"][0]["exp_avg"].equal(base.t()) and back["state"][0]["exp_avg_sq"].equal(
+        base[1:]
+    )
+    assert back["state"][1]["exp_avg"].dtype == torch.bfloat16 and back["state"][1][
+        "exp_avg"
+    ].shape == (0, 5)
+    assert back["param_groups"][0]["betas"] == (0.9, 0.95) and back["param_groups"][0][
+        "eps"
+    ] == float("inf")
+    assert (
+        list(back) == list(state)
+        and list(back["state"]) == [0, 1]
+        and back["7"] == "str key, not int"
+    )
     assert back["nan"] != back["nan"] and back["param_groups"][0]["amsgrad"] is False
 
 
@@ -164,7 +228,9 @@ def test_state_refuses_what_is_not_data_and_damaged_files(tmp_path):
     with pytest.raises(StateError, match=r"state\['rng'\] is a Generator: only tensors"):
         save_state({"rng": torch.Generator()}, tmp_path / "s")
     save_state({"x": torch.ones(2)}, tmp_path / "s")
-    (tmp_path / "s.json").write_text('{"version": 1, "state": {"__dict__": [["x", {"__tensor__": "t9"}]]}}')
+    (tmp_path / "s.json").write_text(
+        '{"version": 1, "state": {"__dict__": [["x", {"__tensor__": "t9"}]]}}'
+    )
     with pytest.raises(StateError, match=r"s.json is damaged \(KeyError"):
         load_state(tmp_path / "s")
     (tmp_path / "s.safetensors").write_bytes(b"\x00" * 7)
@@ -174,12 +240,15 @@ def test_state_refuses_what_is_not_data_and_damaged_files(tmp_path):
 
 # ---- outputs: one writer, dead runs' temp dirs removed ------------------------------------
 
+
 def test_a_second_writer_is_refused_while_the_first_holds_the_output(tmp_path):
     target = tmp_path / "out"
     with atomic.atomic_dir(target) as tmp:
         (tmp / "a").write_text("first")
-        with pytest.raises(ConversionError, match=f"{target} is being written by another process "
-                                                  f"\\(pid {os.getpid()}"):
+        with pytest.raises(
+            ConversionError,
+            match=f"{target} is being written by another process \\(pid {os.getpid()}",
+        ):
             with atomic.atomic_dir(target, force=True):
                 pass
     assert (target / "a").read_text() == "first"
@@ -187,8 +256,12 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_output(tmp_path):
 
 
 def test_temp_dirs_of_dead_runs_are_removed_live_ones_kept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(dead.stdout)
     stale = tmp_path / f".out.tmp-{dead_pid}-0badc0de"
     (stale / "sub").mkdir(parents=True)
