@@ -81,7 +81,7 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
     rows, used = table(spec), set()
     missing = [h for _, hf in rows.values() for h in hf if h not in src.entries]
     if missing:
-        raise MappingError(f"HF checkpoint lacks {missing[0]} (and {len(missing) - 1} more): "
+        raise MappingError(f"HF checkpoint lacks {_first(missing)}: "
                            "is the checkpoint complete and for this config.json?")
     for name, (row, hf) in rows.items():
         used.update(hf)
@@ -91,8 +91,12 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
                                    f"{tuple(part.shape)}: config.json and the weights disagree")
     extra = sorted(n for n in src.entries if n not in used and not HF_IGNORED.match(n))
     if extra:
-        raise MappingError(f"HF checkpoint has {extra[0]} (and {len(extra) - 1} more) that this config "
+        raise MappingError(f"HF checkpoint has {_first(extra)} that this config "
                            "does not use: does config.json (layers, experts) match the weights?")
+
+
+def _first(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
 def read_param_from_hf(src: HFSource, layout: Layout, row: Row, hf: tuple[str, ...], name: str,
@@ -154,9 +158,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: s
     try:
         with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "hf-to-mcore", progress) as bar, \
                 ReadAhead(layout.pieces, materialize, layout.nbytes) as params:
-            save_streaming(layout, params, tmp, bar.update)
+            hashed = save_streaming(layout, params, tmp, bar.update)
             shutil.copy2(hf_dir / "config.json", tmp / HF_CONFIG)
-            manifest.write(tmp, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(tmp, hashed, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
     finally:
         manifest.close()
     return out
@@ -236,12 +240,14 @@ def load_spec_for(reader: DistReader, config: str | Path | None, template: str |
 def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Path,
                         config: str | Path | None = None, dtype: str | None = None,
                         max_shard_bytes: int = 4 << 30, force: bool = False,
-                        progress: bool = False) -> Path:
+                        progress: bool = False, check_manifest: bool = True) -> Path:
+    """check_manifest: every source file and chunk is checked against the source's
+    manifest.json as it is read (refused without one)."""
     out, template = Path(out).absolute(), Path(template)
     check_target(out, force)
     if not (template / "config.json").is_file():
         raise ConversionError(f"--template {template} has no config.json: pass the original HF model dir")
-    reader = DistReader(ckpt)
+    reader = DistReader(ckpt, check_manifest=check_manifest)
     spec, source = load_spec_for(reader, config, template)
     layout = build_layout(spec, torch.float32)
     check_global_shapes(reader, layout, source)
@@ -257,11 +263,12 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
                 for name, tensor in hf_tensors(reader, layout, spec, manifest):
                     writer.write(name, tensor)
                     bar.update(tensor.nbytes)
+                reader.check_unread()  # before the output can appear
                 writer.close()
             finally:
                 writer.abort()
             copy_template(template, tmp)
-            manifest.write(tmp, source=str(reader.root), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(tmp, writer.hashed, source=str(reader.root), dtype=str(layout.dtype).removeprefix("torch."))
     finally:
         manifest.close()
     return out

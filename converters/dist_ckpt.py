@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from converters.layout import Layout
+from converters.manifest import HashingStream
 from converters.output import open_output
 
 DATA_FILE = f"__0_0{DEFAULT_SUFFIX}"
@@ -61,7 +62,7 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
 def no_zip_crc32() -> Iterator[None]:
     """torch.save's zip CRC32 costs more than the disk write; torch.load never checks it.
 
-    Integrity is the manifest's job (sha256 per parameter).
+    Integrity is the manifest's job (sha256 per parameter and per DCP item).
     """
     from torch.utils.serialization import config
 
@@ -74,16 +75,20 @@ def no_zip_crc32() -> Iterator[None]:
 
 
 def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
-                  materialize: Callable[[str], torch.Tensor], progress: Callable[[int], None]) -> None:
-    """Objects, then every parameter's chunks in model order; then `.metadata`."""
+                  materialize: Callable[[str], torch.Tensor], progress: Callable[[int], None]) -> dict:
+    """Objects, then every parameter's chunks in model order; then `.metadata`. Returns the
+    data file's manifest entry (each item's sha256, hashed as it is written)."""
     state: dict = {key: BytesStorageMetadata() for key in objects}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    with no_zip_crc32(), open_output(root / DATA_FILE) as stream:
+    chunks = []
+    with no_zip_crc32(), open_output(root / DATA_FILE) as out:
+        stream = HashingStream(out)
 
         def record(index: MetadataIndex, write: Callable[[], object]) -> None:
-            start = stream.tell()
+            stream.begin()
             write()
-            storage[index] = _StorageInfo(DATA_FILE, start, stream.tell() - start)
+            chunks.append(stream.end())
+            storage[index] = _StorageInfo(DATA_FILE, chunks[-1][0], chunks[-1][1])
 
         for key, data in objects.items():
             record(MetadataIndex(key), lambda data=data: stream.write(data.getbuffer()))
@@ -97,8 +102,10 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)))
                 progress(data.nbytes)
             del param  # one parameter in memory at a time
-        stream.sync()
+        out.sync()
+        entry = {"size": out.tell(), "chunks": chunks}
     _write_metadata(root, Metadata(state, planner_data={}, storage_data=storage))
+    return entry
 
 
 def _write_metadata(root: Path, metadata: Metadata) -> None:
@@ -115,7 +122,7 @@ def _write_metadata(root: Path, metadata: Metadata) -> None:
     tmp.rename(root / METADATA)
 
 
-def _strategy(layout: Layout, materialize: Callable, progress: Callable):
+def _strategy(layout: Layout, materialize: Callable, progress: Callable, hashed: dict):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -135,16 +142,19 @@ def _strategy(layout: Layout, materialize: Callable, progress: Callable):
             assert chunks == planned, "the layout and megatron's sharded state dict disagree"
             objects = {k: v for k, v in flat.items() if isinstance(v[0], ShardedObject)}
             # megatron's own encoding of sharded objects (torch.save of their list)
-            write_sharded(Path(checkpoint_dir), layout, mcore_to_pyt_state_dict(objects, False),
-                          materialize, progress)
+            hashed[DATA_FILE] = write_sharded(Path(checkpoint_dir), layout, mcore_to_pyt_state_dict(objects, False),
+                                              materialize, progress)
 
     return StreamingTorchDist("torch_dist", 1)
 
 
 def save_streaming(layout: Layout, materialize: Callable[[str], torch.Tensor], out_dir: Path,
-                   progress: Callable[[int], None] = lambda n: None) -> None:
-    """Write `layout`'s checkpoint to out_dir, each parameter from `materialize(name)`."""
+                   progress: Callable[[int], None] = lambda n: None) -> dict[str, dict]:
+    """Write `layout`'s checkpoint to out_dir, each parameter from `materialize(name)`.
+    Returns the manifest entries of the files hashed while written (the data file)."""
     from megatron.core import dist_checkpointing
 
-    strategy = _strategy(layout, materialize, progress)
+    hashed: dict[str, dict] = {}
+    strategy = _strategy(layout, materialize, progress, hashed)
     dist_checkpointing.save(layout.sharded_state_dict, str(out_dir), sharded_strategy=strategy)
+    return hashed

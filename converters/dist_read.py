@@ -2,13 +2,13 @@
 
 `.metadata` (torch DCP) lists each global tensor's stored chunks and their byte ranges; a
 region is assembled from the chunks it overlaps, each read with pread and
-torch.load(weights_only=True). `.metadata` itself is a pickle: it is read with an
-unpickler that admits only DCP's metadata classes and torch dtypes/sizes.
+torch.load(weights_only=True). `.metadata` itself is a pickle: it is read with an exact
+allow-list of DCP's metadata classes and torch dtypes/sizes (converters.safe_pickle).
 """
 
 import io
 import json
-import pickle
+import os
 import struct
 import sys
 import zipfile
@@ -18,9 +18,12 @@ import torch
 
 from converters.errors import ConversionError
 from converters.hf_source import read_exact, tensor_memory
+from converters.manifest import ChunkHashes, ManifestError, load_files_manifest
+from converters.safe_pickle import load_metadata
 
 METADATA = ".metadata"
 CONFIG = "metadata.json"
+COMMON = "common.pt"
 # verl 0.9 (global_step_N/actor/...) and older layouts, tried in order below the given path
 SUBDIRS = ("", "model/dist_ckpt", "actor/model/dist_ckpt", "dist_ckpt", "actor/dist_ckpt")
 
@@ -48,53 +51,47 @@ def is_dist_dir(path: str | Path) -> bool:
         return False
 
 
-class _Placeholder:
-    """Stands in for megatron's empty marker classes some versions pickle into .metadata."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.__dict__.update(state if isinstance(state, dict) else {})
-
-
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
-_PLAIN = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-          ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"),
-          ("builtins", "frozenset")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module in _DCP_MODULES or (module, name) in _PLAIN:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if module.startswith("megatron.core.dist_checkpointing."):
-            return _Placeholder
-        raise ConversionError(f"{METADATA} references {module}.{name}, which a torch_dist checkpoint never holds: refusing to load it")
-
-
 class DistReader:
     """Global tensors of one torch_dist checkpoint: shapes, dtypes and any region of them."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, check_manifest: bool = False):
+        """check_manifest: every file and chunk read is checked against the checkpoint's
+        manifest.json as it is read (ManifestError, one line, on any difference)."""
         self.root = find_dist_dir(path)
+        self.hashes = ChunkHashes(self.root, load_files_manifest(self.root)) if check_manifest else None
         self._check_backend()
-        try:
-            with open(self.root / METADATA, "rb") as f:
-                meta = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as err:
-            raise ConversionError(f"{self.root / METADATA} is unreadable ({err}): the save did not finish; re-save it") from err
+        meta = load_metadata(self.root / METADATA, self._small_file(METADATA))
         self.tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset or ())): s for i, s in meta.storage_data.items()}
         self._buckets = {key: _bucket_chunks(md.chunks) for key, md in self.tensors.items()}
         self._native: dict[Path, bool] = {}  # data file -> written in this machine's byte order
+        if self.hashes is not None:  # megatron's non-sharded part: not read here, but exported with it
+            self._small_file(COMMON)
+
+    def check_unread(self) -> None:
+        """With check_manifest: the byte ranges not read so far, against the manifest."""
+        if self.hashes is not None:
+            self.hashes.check_unread()
+
+    def _small_file(self, name: str) -> bytes | None:
+        """A small file's bytes, checked against the manifest when there is one to check."""
+        path = self.root / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            if name == COMMON and self.hashes is not None and name not in self.hashes.files:
+                return None
+            raise ConversionError(f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it") from None
+        if self.hashes is not None:
+            self.hashes.check_file(name, data)
+        return data
 
     def _check_backend(self) -> None:
         config = self.root / CONFIG
-        backend = json.loads(config.read_text()).get("sharded_backend") if config.is_file() else None
+        try:
+            backend = json.loads(self._small_file(CONFIG)).get("sharded_backend") if config.is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise ConversionError(f"{config} is not valid JSON: the save did not finish; re-save the checkpoint") from None
         if backend != "torch_dist":
             raise ConversionError(
                 f"{self.root} has sharded_backend {backend!r} in {CONFIG}: only torch_dist is read; "
@@ -139,14 +136,51 @@ class DistReader:
         info = self.storage[(key, offset)]
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{key} is stored with transforms {info.transform_descriptors}: not supported")
-        path = self.root / info.relative_path
-        if path.stat().st_size < info.offset + info.length:
-            raise ConversionError(f"{info.relative_path} in {self.root} is truncated: re-save the checkpoint")
-        with open(path, "rb", buffering=0) as f:
-            chunk = _Slice(f, info.offset, info.length)
-            if path not in self._native:  # one file, one writer: checked on its first chunk
-                self._native[path] = native_byte_order(chunk)
-            return read_slice(chunk, out, self._native[path])
+        path = self._data_path(info.relative_path)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size < info.offset + info.length:
+                    raise ConversionError(f"{path} is truncated: re-save or re-copy the checkpoint")
+                chunk = _Slice(f, info.offset, info.length)
+                if path not in self._native:  # one file, one writer: checked on its first chunk
+                    self._native[path] = native_byte_order(chunk)
+                if self.hashes is None:
+                    return read_slice(chunk, out, self._native[path])
+                return self._read_checked(chunk, info, out, self._native[path])
+        except (ConversionError, ManifestError):
+            raise
+        except FileNotFoundError:
+            raise ConversionError(f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it") from None
+        except Exception as err:  # a damaged zip record or pickle inside the chunk
+            raise ConversionError(f"{path} holds a damaged chunk of {key} at byte {info.offset} "
+                                  f"({type(err).__name__}): re-save or re-copy the checkpoint") from None
+
+    def _data_path(self, relative: str) -> Path:
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise ConversionError(f"{self.root / METADATA} points outside the checkpoint ({relative}): "
+                                  "re-save the checkpoint or restore it from a trusted copy")
+        return self.root / relative
+
+    def _read_checked(self, chunk: "_Slice", info, out: torch.Tensor | None, native: bool) -> torch.Tensor:
+        """As read_slice, and the chunk's bytes hashed as they are read: the data where it lands
+        (straight in `out`), the small zip/pickle records around it read apart."""
+        if native and out is not None and out.is_contiguous():
+            start = _load_into(chunk, out)
+            if start is not None:
+                end = start + out.nbytes
+                parts = [_pread(chunk, 0, start), tensor_memory(out), _pread(chunk, end, info.length - end)]
+                self.hashes.check_chunk(info.relative_path, info.offset, info.length, parts)
+                return out
+        raw = _pread(chunk, 0, info.length)
+        self.hashes.check_chunk(info.relative_path, info.offset, info.length, [raw])
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        return data if out is None else out.copy_(data.reshape(out.shape))
+
+
+def _pread(chunk: "_Slice", start: int, length: int) -> bytes:
+    chunk.seek(start)
+    buffer = bytearray(length)
+    return bytes(buffer[:read_exact(chunk, memoryview(buffer))])
 
 
 def read_slice(chunk: "_Slice", out: torch.Tensor | None, native: bool) -> torch.Tensor:
@@ -154,7 +188,7 @@ def read_slice(chunk: "_Slice", out: torch.Tensor | None, native: bool) -> torch
     bytes go straight into `out` when they are in this machine's byte order (`native`);
     otherwise torch.load reads it (and swaps them)."""
     chunk.seek(0)
-    if native and out is not None and out.is_contiguous() and _load_into(chunk, out):
+    if native and out is not None and out.is_contiguous() and _load_into(chunk, out) is not None:
         return out
     chunk.seek(0)
     data = torch.load(chunk, map_location="cpu", weights_only=True)
@@ -180,19 +214,20 @@ def _stored_record(f, info: zipfile.ZipInfo) -> bytes:
     return f.read(info.file_size)
 
 
-def _load_into(chunk: "_Slice", out: torch.Tensor) -> bool:
+def _load_into(chunk: "_Slice", out: torch.Tensor) -> int | None:
     """Read a torch.save'd tensor's data straight into `out` (contiguous, same dtype and size):
-    no buffer of torch.load's own and no copy out of it. False where the chunk is not plainly
-    that (a view of a bigger storage, or a torch whose meta loads give no record offsets)."""
+    no buffer of torch.load's own and no copy out of it. Returns where the data starts in the
+    chunk; None where the chunk is not plainly that (a view of a bigger storage, or a torch
+    whose meta loads give no record offsets)."""
     meta = torch.load(chunk, map_location="meta", weights_only=True)  # the pickle only, no data
     start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
     if (start is None or not meta.is_contiguous() or meta.storage_offset() != 0
             or meta.dtype != out.dtype or meta.numel() != out.numel()):
-        return False
+        return None
     chunk.seek(start)
     if read_exact(chunk, tensor_memory(out)) != out.nbytes:
         raise ConversionError(f"{chunk.f.name} ends inside a chunk at {chunk.start}: re-save the checkpoint")
-    return True
+    return start
 
 
 class _Slice(io.RawIOBase):

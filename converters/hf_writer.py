@@ -16,7 +16,7 @@ import torch
 from converters.hf_io import INDEX, SINGLE
 from converters.hf_source import DTYPE_NAMES
 from converters.manifest import NAME as MANIFEST
-from converters.manifest import tensor_bytes
+from converters.manifest import HashingStream, tensor_bytes
 from converters.output import open_output
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -77,6 +77,7 @@ class ShardedWriter:
         self.files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._next, self._stream, self._shard = 0, None, -1
+        self.hashed: dict[str, dict] = {}  # manifest entries of the finished shards
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         shard, spec = self._queue[self._next]
@@ -90,13 +91,14 @@ class ShardedWriter:
     def _open(self, shard: int) -> None:
         self._finish_file()
         self._shard = shard
-        self._stream = open_output(self.out / self.files[shard])
+        self._stream = HashingStream(open_output(self.out / self.files[shard]))
         self._stream.write(shard_header(self.shards[shard]))
 
     def _finish_file(self) -> None:
         if self._stream is not None:
-            self._stream.sync()
-            self._stream.close()
+            self._stream.stream.sync()
+            self.hashed[self.files[self._shard]] = self._stream.file_entry()
+            self._stream.stream.close()
             self._stream = None
 
     def close(self) -> None:
@@ -107,7 +109,7 @@ class ShardedWriter:
 
     def abort(self) -> None:
         if self._stream is not None:
-            self._stream.close()
+            self._stream.stream.close()
 
 
 def copy_template(template: Path, out_dir: Path) -> list[str]:

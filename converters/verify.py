@@ -12,11 +12,19 @@ import torch
 
 from backend.hf_config import load_qwen3_moe_spec
 from converters.convert import load_spec_for, read_param, table
-from converters.dist_read import DistReader, is_dist_dir
+from converters.dist_read import DistReader, find_dist_dir, is_dist_dir
 from converters.errors import ConversionError
 from converters.hf_source import HFSource
-from converters.manifest import dtype_name, read_manifest, sha256
+from converters.manifest import (
+    NAME,
+    dtype_name,
+    manifest_problems,
+    read_manifest,
+    sha256,
+    write_manifest,
+)
 from converters.qwen3_moe import split_row
+from converters.safe_pickle import check_dist_checkpoint
 
 CHUNK = 1 << 24  # elements compared at a time under --atol
 
@@ -128,11 +136,25 @@ def _hf_config(*paths) -> Path | None:
 
 
 def check_manifest(path, *, config=None, report: Callable[[str], None] = print) -> tuple[int, int]:
-    """Recompute every tensor's sha256 and compare with the checkpoint's manifest.json."""
+    """Every file's bytes and every tensor's sha256 against the checkpoint's manifest.json:
+    (files and tensors checked, mismatches), each mismatch reported as one line."""
     path = Path(path)
+    root = find_dist_dir(path) if is_dist_dir(path) else path
+    manifest = read_manifest(root)
+    checked = bad = 0
+    if "files" in manifest:
+        problems = manifest_problems(root)
+        checked, bad = len(manifest["files"]), len(problems)
+        for line in problems:
+            report(line)
+    if "tensors" in manifest:
+        n, m = _check_tensors(path, manifest["tensors"], config, report)
+        checked, bad = checked + n, bad + m
+    return checked, bad
+
+
+def _check_tensors(path: Path, entries: dict, config, report: Callable[[str], None]) -> tuple[int, int]:
     side = open_side(path, config)
-    root = side.reader.root if isinstance(side, DistSide) else path
-    entries = read_manifest(root)["tensors"]
     present = set(side.layout.shapes) if isinstance(side, DistSide) else set(side.names())
     checked = bad = 0
     for name, want in entries.items():
@@ -152,3 +174,18 @@ def check_manifest(path, *, config=None, report: Callable[[str], None] = print) 
         report(f"{name}: not in the manifest")
         bad += 1
     return checked, bad
+
+
+def write_trusted_manifest(path, *, force: bool = False) -> Path:
+    """manifest.json (every file's sha256) for a checkpoint the user vouches for, e.g. a
+    training save made without one; a dist checkpoint is checked to hold only data first."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"{path} is not a directory: pass a checkpoint directory")
+    dist = is_dist_dir(path)
+    root = find_dist_dir(path) if dist else path
+    if (root / NAME).exists() and not force:
+        raise ConversionError(f"{root / NAME} exists: pass --force to replace it, or verify against it")
+    if dist:
+        check_dist_checkpoint(root)
+    return write_manifest(root, "mcore-torch_dist" if dist else "hf-safetensors")

@@ -24,21 +24,32 @@ def cross_node_warnings(layout: RankLayout) -> list[str]:
     return out
 
 
-def expert_notes(fit: ModelFit, micro_batch_tokens: int) -> list[str]:
+def _expert_rows(fit: ModelFit, micro_batch_tokens: int) -> tuple[float, float]:
+    """(expected tokens per expert per micro-batch, rows of one expert GEMM on its EP rank)."""
     plan, spec = fit.plan, fit.spec
     per_expert = micro_batch_tokens * spec.top_k / spec.num_experts
     # an EP group pools the micro-batches of ep*etp/(tp*cp) attention replicas
-    rows = per_expert * plan.ep * plan.etp / (plan.tp * plan.cp)
-    out = [
+    return per_expert, per_expert * plan.ep * plan.etp / (plan.tp * plan.cp)
+
+
+def expert_notes(fit: ModelFit, micro_batch_tokens: int) -> list[str]:
+    """Information about the expert load (printed under "notes:", not "warnings:")."""
+    plan, spec = fit.plan, fit.spec
+    per_expert, rows = _expert_rows(fit, micro_batch_tokens)
+    return [
         f"{fit.experts_per_rank} experts per EP rank ({spec.num_experts} experts / ep={plan.ep})",
         f"expected tokens per expert: {per_expert:.0f} per micro-batch of {micro_batch_tokens} "
         f"tokens (x top-{spec.top_k} / {spec.num_experts}); each expert GEMM gets about "
         f"{rows:.0f} rows per micro-batch on its EP rank",
     ]
-    if rows < 128:
-        out.append(f"only ~{rows:.0f} tokens per expert GEMM: expert matmuls are small and "
-                   "routing imbalance is large; raise --micro-batch-tokens or ep")
-    return out
+
+
+def expert_warnings(fit: ModelFit, micro_batch_tokens: int) -> list[str]:
+    _, rows = _expert_rows(fit, micro_batch_tokens)
+    if rows >= 128:
+        return []
+    return [f"only ~{rows:.0f} tokens per expert GEMM: expert matmuls are small and "
+            "routing imbalance is large; raise --micro-batch-tokens or ep"]
 
 
 def memory_warnings(estimate: MemoryEstimate) -> list[str]:
@@ -51,6 +62,11 @@ def memory_warnings(estimate: MemoryEstimate) -> list[str]:
 
 def plan_warnings(fit: ModelFit, layout: RankLayout, estimate: MemoryEstimate,
                   micro_batch_tokens: int) -> list[str]:
-    """Cross-node groups, expert load per rank and memory pressure, one line each."""
-    return (cross_node_warnings(layout) + expert_notes(fit, micro_batch_tokens)
+    """Cross-node groups, small expert GEMMs and memory pressure, one line each."""
+    return (cross_node_warnings(layout) + expert_warnings(fit, micro_batch_tokens)
             + memory_warnings(estimate))
+
+
+def listed(title: str, lines: list[str]) -> list[str]:
+    """`title:` and its lines as `  - ...`, or `  (none)`."""
+    return [f"{title}:", *([f"  - {line}" for line in lines] or ["  (none)"])]

@@ -1,15 +1,16 @@
 """python -m parallel: check a parallel plan for Qwen3-MoE, or pick one with --auto.
 
-Prints the plan, the rank layout, the per-device memory and warnings. Exits 2 with a
-one-line message when the plan or the model config is illegal.
+Prints the plan, the rank layout, the per-device memory, notes and warnings. Exit codes
+(backend.cli_contract): 0 the plan fits, 1 it is legal but does NOT fit the device memory,
+2 the plan or the model config is illegal (one line naming the reason), 130/143 interrupted.
 """
 
 import argparse
-import sys
 
+from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.hf_config import ConfigError
 from backend.monitor.report import ReportError
-from parallel.advice import plan_warnings
+from parallel.advice import expert_notes, listed, plan_warnings
 from parallel.auto import Candidate, rank_plans
 from parallel.layout import RankLayout
 from parallel.memory import (
@@ -20,7 +21,7 @@ from parallel.memory import (
     format_memory,
 )
 from parallel.models import DEFAULT_MODEL_NAME, load_spec
-from parallel.plan import ParallelPlan, PlanError, check_against_model
+from parallel.plan import PlanError, plan_for_model
 from parallel.report import layout_summary, model_summary, plan_summary
 from parallel.skew import (
     DEFAULT_EP_SKEW,
@@ -35,7 +36,7 @@ DIMS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m parallel", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m parallel", description=__doc__.splitlines()[0])
     for dim in DIMS:
         p.add_argument(
             f"--{dim}",
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="search the legal plans (pinning any dimension given) and pick one",
     )
     p.add_argument("--top", type=int, default=5, help="ranked plans shown with --auto")
+    p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     return p
 
 
@@ -130,11 +132,12 @@ def _device_label(args: argparse.Namespace, options: MemoryOptions) -> str:
     return f"{DEVICE_LABELS[args.device]}{memory}"
 
 
-def _given_plan(args: argparse.Namespace) -> ParallelPlan:
+def _given_fit(args: argparse.Namespace, spec):
     dims = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
-    return ParallelPlan(
-        nodes=args.nodes,
-        devices_per_node=args.devices_per_node,
+    return plan_for_model(
+        spec,
+        args.nodes,
+        args.devices_per_node,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
         **dims,
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         pick = _auto_pick(args, spec, options)
         fit, layout, memory = pick.fit, pick.layout, pick.memory
     else:
-        fit = check_against_model(_given_plan(args), spec)
+        fit = _given_fit(args, spec)
         layout = RankLayout(fit.plan)
         memory = estimate_memory(fit, options)
     print(model_summary(args.model or DEFAULT_MODEL_NAME, fit))
@@ -175,20 +178,23 @@ def run(args: argparse.Namespace) -> int:
     print(layout_summary(layout))
     print(format_memory(memory, fit.plan.pp))
     print("\n".join(skew_lines(fit, options, skew)))
-    print("warnings:")
-    for line in plan_warnings(fit, layout, memory, options.micro_batch_tokens):
-        print(f"  - {line}")
-    return 0
+    print("\n".join(listed("notes", expert_notes(fit, options.micro_batch_tokens))))
+    warnings = plan_warnings(fit, layout, memory, options.micro_batch_tokens)
+    print("\n".join(listed("warnings", warnings)))
+    return 0 if memory.fits else DOES_NOT_FIT
+
+
+DOES_NOT_FIT = 1  # a finding, like verify's differences: the plan is legal, the memory too small
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for an illegal plan or model config)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exit_:  # --help, or a usage error argparse already printed
-        return int(exit_.code or 0)
-    try:
-        return run(args)
-    except (PlanError, ConfigError, ReportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Entry point; returns the exit status (module docstring)."""
+    args = parse_or_exit_code(build_parser(), argv)
+    if isinstance(args, int):
+        return args
+    return run_cli(
+        lambda: run(args),
+        debug=args.debug,
+        user_errors=(PlanError, ConfigError, ReportError),
+        interrupted="nothing was written",
+    )

@@ -8,6 +8,7 @@ model itself requires (heads, experts, layers, vocab) is `check_against_model`.
 """
 
 from dataclasses import dataclass, fields
+from math import lcm
 
 from backend.hf_config import Qwen3MoeSpec
 
@@ -151,6 +152,21 @@ def _uneven_stage_layers(plan: ParallelPlan, num_layers: int) -> tuple[int, ...]
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_DIVISIBLE_BY * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def plan_for_model(spec: Qwen3MoeSpec, nodes: int = 1, devices_per_node: int = 8, **dims) -> ModelFit:
+    """check_against_model of the plan `dims` on nodes x devices_per_node, where a dimension
+    the model itself cannot take is refused for that reason (ep=3: 128 experts; pp=5: 48
+    layers) before the world-size folding is checked."""
+    try:  # the same dims on a world where the folding holds: only the model can refuse them
+        size = {d: dims.get(d) or 1 for d in ("tp", "cp", "pp", "ep", "etp")}
+        world = lcm(size["tp"] * size["cp"] * size["pp"], size["etp"] * size["ep"] * size["pp"])
+        probe = ParallelPlan(nodes=1, devices_per_node=world, **dims)
+    except (PlanError, TypeError):
+        probe = None  # not positive integers: the real plan below says so
+    if probe is not None:
+        check_against_model(probe, spec)
+    return check_against_model(ParallelPlan(nodes=nodes, devices_per_node=devices_per_node, **dims), spec)
 
 
 def check_against_model(plan: ParallelPlan, spec: Qwen3MoeSpec) -> ModelFit:

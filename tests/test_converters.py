@@ -17,6 +17,7 @@ from converters.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from converters.hf_io import INDEX, read_state_dict
 from converters.hf_source import HFSource
 from converters.hf_writer import ShardedWriter
+from converters.manifest import ManifestError, write_manifest
 from converters.verify import compare
 
 pytestmark = pytest.mark.mcore_compat
@@ -132,6 +133,9 @@ def test_verl_loads_the_checkpoint_and_its_layout_exports(world1, tiny_hf_dir, m
     step.mkdir(parents=True)
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(step))  # as verl nests it
     (tmp_path / "ckpts" / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(ManifestError, match="no manifest.json in .*--no-manifest-check"):
+        convert_mcore_to_hf(tmp_path / "ckpts", tmp_path / "hf", template=tiny_hf_dir)
+    write_manifest(step)  # as our engine does after a save
     out = convert_mcore_to_hf(tmp_path / "ckpts", tmp_path / "hf", template=tiny_hf_dir)
     _exact(read_state_dict(out), read_state_dict(tiny_hf_dir))
 

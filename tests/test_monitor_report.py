@@ -57,7 +57,9 @@ def test_render_writes_html_and_images(tmp_path, capsys):
     assert all(f'src="{name}"' in html for name in pngs)
     assert all((out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
-    assert _cli(capsys, "render", report, "-o", out)[0] == 0  # re-render replaces its own dir
+    code, _, err = _cli(capsys, "render", report, "-o", out)
+    assert code == 2 and err == f"error: {out} exists: pass --force to replace it or choose another directory\n"
+    assert _cli(capsys, "render", report, "-o", out, "--force")[0] == 0  # replaces its own dir
 
 
 def test_compare_identical_is_quiet(tmp_path, capsys):

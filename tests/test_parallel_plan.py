@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from parallel.advice import plan_warnings
+from parallel.advice import expert_notes, plan_warnings
 from parallel.auto import rank_plans
 from parallel.cli import main
 from parallel.layout import RankLayout
@@ -136,11 +136,13 @@ def test_intra_node_plan_has_no_cross_node_warning():
     assert not any("span" in w for w in _warnings(ParallelPlan(tp=4, ep=8, nodes=4)))
 
 
-def test_expert_load_lines():
-    warns = _warnings(ParallelPlan(tp=4, ep=8, nodes=4), tokens=4096)
-    assert "16 experts per EP rank (128 experts / ep=8)" in warns
-    expected = "expected tokens per expert: 256 per micro-batch of 4096"
-    assert any(w.startswith(expected) for w in warns)
+def test_expert_load_lines_are_notes_not_warnings():
+    plan = ParallelPlan(tp=4, ep=8, nodes=4)
+    notes = expert_notes(check_against_model(plan, QWEN), 4096)
+    assert notes[0] == "16 experts per EP rank (128 experts / ep=8)"
+    assert notes[1].startswith("expected tokens per expert: 256 per micro-batch of 4096")
+    assert _warnings(plan, tokens=4096) == []
+    assert _warnings(plan, tokens=256)[0].startswith("only ~32 tokens per expert GEMM")
 
 
 def test_memory_pressure_is_flagged():

@@ -231,7 +231,9 @@ def _fails_with_one_line(capsys, args, *needles):
 @pytest.mark.parametrize(
     "plan, needle",
     [
-        (["--tp", "3"], "tp*cp*pp=3 does not divide world=32"),
+        (["--tp", "3"], "tp=3 does not divide num_key_value_heads=4"),
+        (["--tp", "16", "--nodes", "1"], "tp=16 does not divide num_key_value_heads=4"),
+        (["--tp", "2", "--nodes", "1", "--devices-per-node", "3"], "tp*cp*pp=2 does not divide world=3"),
         (["--tp", "8"], "tp=8 does not divide num_key_value_heads=4"),
         (["--ep", "64"], "etp*ep*pp=64 does not divide world=32"),
         (["--ep", "12", "--nodes", "3"], "ep=12 does not divide num_experts=128"),
@@ -332,7 +334,7 @@ def test_shell_script_forwards_to_the_launcher(files):
         text=True,
         timeout=300,
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: tp*cp*pp=3")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: tp=3 does not divide num_key_value_heads=4")
 
 
 @pytest.mark.parametrize("device, label", [("npu", "Ascend A2"), ("cuda", "H100")])

@@ -271,7 +271,9 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     out = tmp_path / "hf_export"
     assert (
         converters_main(
-            ["mcore-to-hf", str(root), str(out), "--template", str(tiny_hf_dir), "--no-progress"]
+            # --no-manifest-check until the engine's save writes a manifest (issue 15, lead)
+            ["mcore-to-hf", str(root), str(out), "--template", str(tiny_hf_dir), "--no-progress",
+             "--no-manifest-check"]
         )
         == 0
     )

@@ -39,8 +39,8 @@ def _plots(result: dict, a: Side, b: Side, tmp: Path) -> list[str]:
     return [h.image(name, name) for name in figures]
 
 
-def render_compare(result: dict, a: Side, b: Side, out: str | Path) -> Path:
-    with atomic_dir(out) as tmp:
+def render_compare(result: dict, a: Side, b: Side, out: str | Path, force: bool = True) -> Path:
+    with atomic_dir(out, force) as tmp:
         (tmp / "compare.json").write_text(json.dumps(_strict(result), indent=1, allow_nan=False))
         parts = [h.paragraph(f"A = {a.label}, B = {b.label}"), h.paragraph(result["summary"])]
         parts += [h.paragraph(s, "flag") for s in result["sentences"]]

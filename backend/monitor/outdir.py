@@ -12,7 +12,7 @@ from backend.monitor.report import ReportError
 MARKER = ".routing-balance-output"  # lets a later render replace only our own directories
 
 
-def _check_replaceable(out: Path) -> None:
+def _check_replaceable(out: Path, force: bool) -> None:
     if not out.exists():
         return
     if not out.is_dir():
@@ -20,13 +20,16 @@ def _check_replaceable(out: Path) -> None:
     if any(out.iterdir()) and not (out / MARKER).exists():
         raise ReportError(f"{out} is not empty and was not written by this tool: "
                           "pass a new or empty directory")
+    if any(out.iterdir()) and not force:
+        raise ReportError(f"{out} exists: pass --force to replace it or choose another directory")
 
 
 @contextmanager
-def atomic_dir(out: str | Path) -> Iterator[Path]:
-    """Yield a temp directory to fill; on success it replaces `out` (readers never see a half)."""
+def atomic_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temp directory to fill; on success it replaces `out` (readers never see a half);
+    an existing output of ours only with `force`."""
     out = Path(out)
-    _check_replaceable(out)
+    _check_replaceable(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -76,11 +76,14 @@ def _warnings_section(report: Report) -> list[str]:
     ]
 
 
-def render(report: Report, out: str | Path, phases: list[str] | None = None) -> Path:
+def render(
+    report: Report, out: str | Path, phases: list[str] | None = None, force: bool = True
+) -> Path:
     """index.html + per-phase heatmap, imbalance-over-steps and EP-load PNGs (and the aux loss
-    when the steps carry it), written atomically."""
+    when the steps carry it), written atomically. force=False refuses an existing output (the
+    CLI without --force); programmatic callers re-render their own directory."""
     names = phases or [p for p in report.data["phases"] if report.cumulative(p).sum() > 0]
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, force) as tmp:
         parts = [_meta_table(report), *_warnings_section(report)]
         for phase in names:
             parts += _phase_section(report, phase, tmp)

@@ -3,8 +3,10 @@
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from recipes.dapo.overrides import ENGINE_MODULE
@@ -81,5 +83,20 @@ def check_ray(device: str, expected: int) -> None:
 
 
 def run_command(cmd: list[str], env: dict[str, str]) -> int:
-    """The one place that starts the job's processes."""
-    return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
+    """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
+    passed on to the child (which stops its run and its Ray job), and the launcher waits for
+    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports)."""
+    child = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO)
+
+    def forward(signum, frame) -> None:
+        child.send_signal(signum)
+
+    forwarded = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded} if main_thread else {}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

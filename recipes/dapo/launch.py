@@ -6,6 +6,11 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster.
 Local run (no accelerator, or --device cpu): the embedded CPU recipe.
 Everything after `--` passes through as verl overrides (or local-run flags).
+
+Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse or a missing file
+(one line naming it and the fix, before anything starts; --debug shows the traceback), the
+training child's own status otherwise (SIGINT / SIGTERM are passed on to it and it is waited
+for: 130 / 143 when it ends by them).
 """
 
 import argparse
@@ -14,26 +19,34 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from recipes.dapo import cluster, data, overrides
 from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp", "skew_from")
+LOCAL_ONLY = ("steps", "seed", "resume")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 120, 40
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="scripts/train_mcore.sh",
         description=__doc__.splitlines()[0],
         epilog="verl overrides go after `--`, e.g. -- trainer.total_epochs=2",
     )
     plan = p.add_argument_group("parallel plan (cluster default: tp 4, ep 8, etp 1, pp 1, cp 1)")
     for dim in CLUSTER_PLAN:
-        plan.add_argument(f"--{dim}", type=int, default=None)
-    plan.add_argument("--nodes", type=int, default=4)
-    plan.add_argument("--devices-per-node", type=int, default=8)
+        plan.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim} size")
+    plan.add_argument("--nodes", type=positive_int, default=4, help="nodes in the Ray cluster")
+    plan.add_argument("--devices-per-node", type=positive_int, default=8, help="accelerators per node")
     p.add_argument(
         "--device",
         choices=("npu", "cuda", "cpu"),
@@ -55,10 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPORT",
         help="routing report of an earlier run: the EP skew the memory check assumes",
     )
-    local = p.add_argument_group("local run")
-    local.add_argument("--steps", type=int, default=None)
-    local.add_argument("--seed", type=int, default=None)
-    local.add_argument("--resume", action="store_true")
+    p.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    local = p.add_argument_group(
+        "local run (CPU only; a cluster run takes verl overrides after --)"
+    )
+    local.add_argument("--steps", type=int, default=None, help="training steps")
+    local.add_argument("--seed", type=int, default=None, help="random seed")
+    local.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir"
+    )
     return p
 
 
@@ -97,13 +115,15 @@ class Resolved:
 
 
     def _layout_and_warnings(self) -> list[str]:
-        from parallel.advice import cross_node_warnings, expert_notes
+        from parallel.advice import cross_node_warnings, expert_notes, expert_warnings, listed
         from parallel.layout import RankLayout
         from parallel.report import layout_summary
 
         layout = RankLayout(self.run.plan)
-        notes = cross_node_warnings(layout) + expert_notes(self.model_fit, overrides.MICRO_BATCH_TOKENS)
-        return [layout_summary(layout), "warnings:", *[f"  - {n}" for n in notes]]
+        tokens = overrides.MICRO_BATCH_TOKENS
+        warnings = cross_node_warnings(layout) + expert_warnings(self.model_fit, tokens)
+        return [layout_summary(layout), *listed("notes", expert_notes(self.model_fit, tokens)),
+                *listed("warnings", warnings)]
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -137,8 +157,11 @@ def check_model(path: str) -> Path:
     return model
 
 
-def check_data(train: str, val: str, counts: bool = False) -> None:
+def check_data(train: str | None, val: str | None, counts: bool = False) -> None:
+    """Each data file given (a dry run may give either or none)."""
     for path, dataset in ((train, data.TRAIN), (val, data.VAL)):
+        if path is None:
+            continue
         report = data.check_file(Path(path).expanduser(), dataset, counts=counts)
         if not report.ok:
             raise LaunchError(f"{dataset.name} {report.path}: " + "; ".join(report.problems))
@@ -147,9 +170,13 @@ def check_data(train: str, val: str, counts: bool = False) -> None:
 def resolve(args, device: str, extra: list[str]) -> Resolved:
     """Everything checked and decided; nothing started. Raises with one line on misuse."""
     from parallel.models import load_spec
-    from parallel.plan import ParallelPlan, PlanError, check_against_model
+    from parallel.plan import PlanError, plan_for_model
     from recipes.dapo.fit import fit_rollout
 
+    local = [f"--{n}" for n in LOCAL_ONLY if getattr(args, n) not in (None, False)]
+    if local:
+        raise LaunchError(f"{', '.join(local)} configure the local CPU run, not a {device} cluster run: "
+                          "drop them (pass verl overrides after --, e.g. -- trainer.total_training_steps=N)")
     # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
@@ -159,15 +186,15 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
             f"pp={dims['pp']} cp={dims['cp']}: the mcore_ep actor runs pp=1 and cp=1; "
             "scale with --tp and --ep (python -m parallel --auto)"
         )
-    plan = ParallelPlan(nodes=args.nodes, devices_per_node=args.devices_per_node, **dims)
+    model = check_model(args.model) if args.model else None
+    spec = load_spec(str(model) if model else None)
+    model_fit = plan_for_model(spec, args.nodes, args.devices_per_node, **dims)  # model reasons first
+    plan = model_fit.plan
     rollout_tp = overrides.DAPO["rollout_tp"]
     if plan.world % rollout_tp:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
-    model = check_model(args.model) if args.model else None
-    model_fit = check_against_model(plan, load_spec(str(model) if model else None))
     fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp)
-    if args.train_file and args.val_file:
-        check_data(args.train_file, args.val_file)
+    check_data(args.train_file, args.val_file)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
         from converters.hf_io import shard_files
@@ -253,37 +280,41 @@ def _start_over(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
+def run(args, extra: list[str]) -> int:
+    device = pick_device(args.device)
+    if device == "cpu":
+        t0 = time.perf_counter()
+        resolved, out, hf_dir = resolve_local(args, extra)
+        print(resolved.describe())
+        if args.dry_run:
+            return 0
+        from recipes.local.run import run as run_local
+
+        return run_local(resolved, out, hf_dir, t0)
+    resolved = resolve(args, device, extra)
+    print(resolved.describe())
+    if args.dry_run:
+        return 0
+    if device == "npu":
+        cluster.raise_open_files()
+    cluster.check_ray(device, resolved.run.plan.world)
+    return cluster.run_command(resolved.command, resolved.run.env)
+
+
 def main(argv: list[str] | None = None) -> int:
     from backend.device import DeviceError
     from backend.optional import MissingDependencyError
 
     own, extra = split_argv(list(sys.argv[1:] if argv is None else argv))
-    try:
-        args = build_parser().parse_args(own)
-    except SystemExit as exit_:  # --help, or a usage error argparse already printed
-        return int(exit_.code or 0)
-    try:
-        device = pick_device(args.device)
-        if device == "cpu":
-            t0 = time.perf_counter()
-            resolved, out, hf_dir = resolve_local(args, extra)
-            print(resolved.describe())
-            if args.dry_run:
-                return 0
-            from recipes.local.run import run
-
-            return run(resolved, out, hf_dir, t0)
-        resolved = resolve(args, device, extra)
-        print(resolved.describe())
-        if args.dry_run:
-            return 0
-        if device == "npu":
-            cluster.raise_open_files()
-        cluster.check_ray(device, resolved.run.plan.world)
-        return cluster.run_command(resolved.command, resolved.run.env)
-    except (ValueError, LaunchError, MissingDependencyError, DeviceError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    args = parse_or_exit_code(build_parser(), own)
+    if isinstance(args, int):  # --help, or a usage error already printed in one line
+        return args
+    return run_cli(
+        lambda: run(args, extra),
+        debug=args.debug,
+        user_errors=(ValueError, LaunchError, MissingDependencyError, DeviceError),
+        interrupted="nothing was started",
+    )
 
 
 if __name__ == "__main__":

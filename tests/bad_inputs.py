@@ -1,0 +1,604 @@
+"""The bad inputs tried on every CLI: one list, from which both the test
+(tests/test_bad_inputs.py runs each row) and the table in docs/bad_inputs.md are made
+(`.venv/bin/python -m tests.bad_inputs > docs/bad_inputs.md`; a test checks it is current).
+
+Each row: the CLI, what is wrong, how the input is made (`setup(ctx)` returns the argv), the
+exit code, and the one line printed (stderr; stdout for a finding, exit 1), with the paths
+of the run written as {tmp} (the row's scratch dir), {hf} (the tiny HF model), {mcore} (its
+dist checkpoint, made by hf-to-mcore) and {pid} (this process).
+"""
+
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Case:
+    cli: str  # converters | parallel | launcher | monitor
+    what: str
+    setup: Callable  # ctx -> argv
+    code: int
+    message: str
+    stream: str = "err"
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    hf: Path
+    mcore: Path
+
+    def copy(self, src: Path, name: str, drop: str | None = None) -> Path:
+        ignore = shutil.ignore_patterns(drop) if drop else None
+        return Path(shutil.copytree(src, self.tmp / name, ignore=ignore))
+
+    def edit_json(self, path: Path, **changes) -> Path:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+        return path
+
+    def flip(self, path: Path, at: int, count: int = 16) -> Path:
+        raw = bytearray(path.read_bytes())
+        for i in range(at, at + count):
+            raw[i] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        return path
+
+
+def _m2h(ckpt, ctx: Ctx, *flags) -> list:
+    return ["mcore-to-hf", ckpt, ctx.tmp / "out", "--template", ctx.hf, *flags]
+
+
+def _dotted_metadata(ctx: Ctx) -> Path:
+    from tests.test_safe_checkpoints import _call
+
+    ckpt = ctx.copy(ctx.mcore, "m")
+    (ckpt / ".metadata").write_bytes(
+        _call("torch.distributed.checkpoint.filesystem", "os.mkdir", str(ctx.tmp / "pwned"))
+    )
+    return ckpt
+
+
+def _chunk_offset(ctx: Ctx) -> int:
+    chunks = json.loads((ctx.mcore / "manifest.json").read_text())["files"]["__0_0.distcp"][
+        "chunks"
+    ]
+    return max(chunks, key=lambda c: c[1])[
+        0
+    ]  # the biggest chunk (a tensor)'s first byte: its zip header
+
+
+def _truncate(path: Path, keep: int) -> Path:
+    path.write_bytes(path.read_bytes()[:keep])
+    return path
+
+
+def _v1_manifest(ctx: Ctx) -> Path:
+    ckpt = ctx.copy(ctx.mcore, "m")
+    body = json.loads((ckpt / "manifest.json").read_text())
+    del body["files"]
+    (ckpt / "manifest.json").write_text(json.dumps({**body, "version": 1}))
+    return ckpt
+
+
+def _locked(ctx: Ctx) -> list:
+    """A writer (this process) holds {tmp}/out while the CLI tries to write it."""
+    from converters.atomic import output_lock
+
+    lock = output_lock((ctx.tmp / "out").absolute())
+    lock.__enter__()
+    ctx.release = lambda: lock.__exit__(None, None, None)
+    return ["hf-to-mcore", ctx.hf, ctx.tmp / "out", "--force"]
+
+
+CONVERTERS = [
+    Case(
+        "converters",
+        "source dir does not exist",
+        lambda c: ["hf-to-mcore", c.tmp / "nope", c.tmp / "o"],
+        2,
+        "error: no config.json at {tmp}/nope: pass an HF checkpoint directory or its config.json",
+    ),
+    Case(
+        "converters",
+        "output exists, no --force",
+        lambda c: ["hf-to-mcore", c.hf, c.mcore],
+        2,
+        "error: output {mcore} exists: pass --force to replace it or choose another path",
+    ),
+    Case(
+        "converters",
+        "a second writer into the same output",
+        _locked,
+        2,
+        "error: {tmp}/out is being written by another process (pid {pid}, lock {tmp}/.out.lock): "
+        "wait for it to finish or choose another output",
+    ),
+    Case(
+        "converters",
+        "--tp 3 (2 kv heads)",
+        lambda c: ["hf-to-mcore", c.hf, c.tmp / "o", "--tp", "3"],
+        2,
+        "error: plan tp=3 ep=1 pp=1 etp=1: tp=3 does not divide num_key_value_heads=2: legal tp for this model: 1, 2",
+    ),
+    Case(
+        "converters",
+        "--ep 3 (8 experts)",
+        lambda c: ["hf-to-mcore", c.hf, c.tmp / "o", "--ep", "3"],
+        2,
+        "error: plan tp=1 ep=3 pp=1 etp=1: ep=3 does not divide num_experts=8: legal ep for this model: 1, 2, 4, 8",
+    ),
+    Case(
+        "converters",
+        "--tp 0",
+        lambda c: ["hf-to-mcore", c.hf, c.tmp / "o", "--tp", "0"],
+        2,
+        "error: python -m converters hf-to-mcore: argument --tp: '0' is not a positive integer; "
+        "see python -m converters hf-to-mcore --help",
+    ),
+    Case(
+        "converters",
+        "truncated safetensors shard",
+        lambda c: [
+            "hf-to-mcore",
+            _truncate(c.copy(c.hf, "h") / "model.safetensors", 5000).parent,
+            c.tmp / "o",
+        ],
+        2,
+        "error: model.safetensors is unreadable or truncated ({detail}): re-download it",
+    ),
+    Case(
+        "converters",
+        "config.json of another model type",
+        lambda c: [
+            "hf-to-mcore",
+            c.edit_json(c.copy(c.hf, "h") / "config.json", model_type="llama").parent,
+            c.tmp / "o",
+        ],
+        2,
+        "error: model_type is 'llama', expected 'qwen3_moe': this backend builds Qwen3-MoE models only",
+    ),
+    Case(
+        "converters",
+        "--target-config with other experts",
+        lambda c: [
+            "hf-to-mcore",
+            c.hf,
+            c.tmp / "o",
+            "--target-config",
+            c.edit_json(c.copy(c.hf, "h") / "config.json", num_experts=16),
+        ],
+        2,
+        "error: num_experts: checkpoint has 8, --target-config {tmp}/h/config.json has 16; "
+        "convert the checkpoint that matches the config or fix the config",
+    ),
+    Case(
+        "converters",
+        "checkpoint without manifest.json",
+        lambda c: _m2h(c.copy(c.mcore, "m", "manifest.json"), c),
+        2,
+        "error: no manifest.json in {tmp}/m: nothing to check its bytes against; pass --no-manifest-check to trust "
+        "it as is, or run `python -m converters manifest {tmp}/m` on a good copy",
+    ),
+    Case(
+        "converters",
+        "manifest of an older converter (no file hashes)",
+        lambda c: _m2h(_v1_manifest(c), c),
+        2,
+        "error: {tmp}/m/manifest.json has no file hashes (written by an older converter): re-create it with "
+        "`python -m converters manifest {tmp}/m` on a good copy, or pass --no-manifest-check",
+    ),
+    Case(
+        "converters",
+        "16 flipped bytes in a .distcp",
+        lambda c: _m2h(
+            c.flip(c.copy(c.mcore, "m") / "__0_0.distcp", _chunk_offset(c) + 900).parent, c
+        ),
+        2,
+        "error: {tmp}/m/__0_0.distcp bytes {range} differ from manifest.json: the checkpoint was damaged or "
+        "changed after it was written; restore it from a good copy",
+    ),
+    Case(
+        "converters",
+        "common.pt changed",
+        lambda c: _m2h(c.flip(c.copy(c.mcore, "m") / "common.pt", 100, 1).parent, c),
+        2,
+        "error: {tmp}/m/common.pt differs from manifest.json: the checkpoint was damaged or changed after it was "
+        "written; restore it from a good copy",
+    ),
+    Case(
+        "converters",
+        "crafted .metadata, manifest checked",
+        lambda c: _m2h(_dotted_metadata(c), c),
+        2,
+        "error: {tmp}/m/.metadata differs from manifest.json: the checkpoint was damaged or changed after it was "
+        "written; restore it from a good copy",
+    ),
+    Case(
+        "converters",
+        "crafted .metadata (dotted name), --no-manifest-check",
+        lambda c: _m2h(_dotted_metadata(c), c, "--no-manifest-check"),
+        2,
+        "error: {tmp}/m/.metadata references torch.distributed.checkpoint.filesystem.os.mkdir, which a torch_dist "
+        "checkpoint never holds: refusing to load it (nothing in it was run); re-save the checkpoint or restore it "
+        "from a trusted copy",
+    ),
+    Case(
+        "converters",
+        "damaged chunk header, --no-manifest-check",
+        lambda c: _m2h(
+            c.flip(c.copy(c.mcore, "m") / "__0_0.distcp", _chunk_offset(c)).parent,
+            c,
+            "--no-manifest-check",
+        ),
+        2,
+        "error: {tmp}/m/__0_0.distcp holds a damaged chunk of {key} at byte {offset} ({kind}): "
+        "re-save or re-copy the checkpoint",
+    ),
+    Case(
+        "converters",
+        "deleted .distcp, --no-manifest-check",
+        lambda c: _m2h(c.copy(c.mcore, "m", "*.distcp"), c, "--no-manifest-check"),
+        2,
+        "error: {tmp}/m/__0_0.distcp is missing: the checkpoint is incomplete; re-save or re-copy it",
+    ),
+    Case(
+        "converters",
+        "a changed _extra_state item (never read for the weights)",
+        lambda c: _m2h(c.flip(c.copy(c.mcore, "m") / "__0_0.distcp", 40).parent, c),
+        2,
+        "error: {tmp}/m/__0_0.distcp bytes {range} differ from manifest.json: the checkpoint was damaged or "
+        "changed after it was written; restore it from a good copy",
+    ),
+    Case(
+        "converters",
+        "truncated .metadata, --no-manifest-check",
+        lambda c: _m2h(
+            _truncate(c.copy(c.mcore, "m") / ".metadata", 300).parent, c, "--no-manifest-check"
+        ),
+        2,
+        "error: {tmp}/m/.metadata is unreadable (UnpicklingError: {detail}): the save did not finish; re-save the checkpoint",
+    ),
+    Case(
+        "converters",
+        "sharded_backend is not torch_dist",
+        lambda c: _m2h(
+            c.edit_json(c.copy(c.mcore, "m") / "metadata.json", sharded_backend="zarr").parent,
+            c,
+            "--no-manifest-check",
+        ),
+        2,
+        "error: {tmp}/m has sharded_backend 'zarr' in metadata.json: only torch_dist is read; re-save with "
+        "megatron-core's default (torch_dist) strategy",
+    ),
+    Case(
+        "converters",
+        "--template without config.json",
+        lambda c: ["mcore-to-hf", c.mcore, c.tmp / "o", "--template", c.tmp],
+        2,
+        "error: --template {tmp} has no config.json: pass the original HF model dir",
+    ),
+    Case(
+        "converters",
+        "--template of another size",
+        lambda c: [
+            "mcore-to-hf",
+            c.mcore,
+            c.tmp / "o",
+            "--template",
+            c.edit_json(c.copy(c.hf, "h") / "config.json", num_experts=16).parent,
+        ],
+        2,
+        "error: decoder.layers.mlp.router.weight: checkpoint has global shape (2, 8, 64), {tmp}/h implies "
+        "(2, 16, 64); pass the config the checkpoint was trained with",
+    ),
+    Case(
+        "converters",
+        "--max-shard-size not a size",
+        lambda c: _m2h(c.mcore, c, "--max-shard-size", "big"),
+        2,
+        "error: python -m converters mcore-to-hf: argument --max-shard-size: 'big' is not a size: write e.g. 4GB, "
+        "500MB; see python -m converters mcore-to-hf --help",
+    ),
+    Case(
+        "converters",
+        "verify a path that does not exist",
+        lambda c: ["verify", c.tmp / "nope", c.hf],
+        2,
+        "error: {tmp}/nope does not exist: pass an HF dir or a dist checkpoint dir",
+    ),
+    Case(
+        "converters",
+        "verify one dir without manifest",
+        lambda c: ["verify", c.hf],
+        2,
+        "error: no manifest.json in {hf}: only converter outputs carry one; compare two checkpoints instead",
+    ),
+    Case(
+        "converters",
+        "verify finds a changed file (a finding)",
+        lambda c: ["verify", c.flip(c.copy(c.mcore, "m") / "common.pt", 100, 1).parent],
+        1,
+        "{tmp}/m/common.pt: sha256 differs from manifest.json",
+        stream="out",
+    ),
+    Case(
+        "converters",
+        "manifest over an existing one",
+        lambda c: ["manifest", c.mcore],
+        2,
+        "error: {mcore}/manifest.json exists: pass --force to replace it, or verify against it",
+    ),
+]
+
+PLANNER = [
+    Case(
+        "parallel",
+        "--ep 3 on 4x8",
+        lambda c: ["--ep", "3", "--nodes", "4"],
+        2,
+        "error: ep=3 does not divide num_experts=128: legal ep for this model: 1, 2, 4, 8, 16, 32, 64, 128",
+    ),
+    Case(
+        "parallel",
+        "--pp 5 on 4x8",
+        lambda c: ["--pp", "5", "--nodes", "4"],
+        2,
+        "error: pp=5 does not divide num_hidden_layers=48: legal pp for this model: 1, 2, 3, 4, 6, 8, 12, 16, 24, 48 "
+        "(or set first/last stage layers)",
+    ),
+    Case(
+        "parallel",
+        "--tp 8 (4 kv heads)",
+        lambda c: ["--tp", "8"],
+        2,
+        "error: tp=8 does not divide num_key_value_heads=4: legal tp for this model: 1, 2, 4",
+    ),
+    Case(
+        "parallel",
+        "--ep 64 on 4x8 (the world is too small)",
+        lambda c: ["--ep", "64", "--nodes", "4"],
+        2,
+        "error: etp*ep*pp=64 does not divide world=32 (4 nodes x 8): etp*ep*edp*pp must equal world; "
+        "legal etp*ep*pp: 1, 2, 4, 8, 16, 32",
+    ),
+    Case(
+        "parallel", "--tp 0", lambda c: ["--tp", "0"], 2, "error: tp=0 must be a positive integer"
+    ),
+    Case(
+        "parallel",
+        "--vpp without pp",
+        lambda c: ["--vpp", "2"],
+        2,
+        "error: vpp=2 needs pp > 1: interleaving splits pipeline stages; drop --vpp or raise --pp",
+    ),
+    Case(
+        "parallel",
+        "--micro-batch-tokens 0",
+        lambda c: ["--micro-batch-tokens", "0"],
+        2,
+        "error: --micro-batch-tokens=0 must be positive",
+    ),
+    Case(
+        "parallel",
+        "--model without config.json",
+        lambda c: ["--model", c.tmp],
+        2,
+        "error: no config.json at {tmp}/config.json: pass an HF checkpoint directory or its config.json",
+    ),
+    Case(
+        "parallel",
+        "a plan that does NOT fit (a finding)",
+        lambda c: ["--ep", "8", "--nodes", "4", "--micro-batch-tokens", "65536"],
+        1,
+        "  update peak 1189% of 64 GiB: does NOT fit (limit 90%)",
+        stream="out",
+    ),
+    Case(
+        "launcher",
+        "--ep 3 on 4x8",
+        lambda c: ["--device", "cuda", "--dry-run", "--ep", "3"],
+        2,
+        "error: ep=3 does not divide num_experts=128: legal ep for this model: 1, 2, 4, 8, 16, 32, 64, 128",
+    ),
+    Case(
+        "launcher",
+        "--pp 5",
+        lambda c: ["--device", "cuda", "--dry-run", "--pp", "5"],
+        2,
+        "error: pp=5 cp=1: the mcore_ep actor runs pp=1 and cp=1; scale with --tp and --ep (python -m parallel --auto)",
+    ),
+    Case(
+        "launcher",
+        "--tp 0",
+        lambda c: ["--device", "cuda", "--tp", "0"],
+        2,
+        "error: scripts/train_mcore.sh: argument --tp: '0' is not a positive integer; see scripts/train_mcore.sh --help",
+    ),
+    Case(
+        "launcher",
+        "unknown --device",
+        lambda c: ["--device", "tpu"],
+        2,
+        "error: scripts/train_mcore.sh: argument --device: invalid choice: 'tpu' (choose from 'npu', 'cuda', 'cpu'); "
+        "see scripts/train_mcore.sh --help",
+    ),
+    Case(
+        "launcher",
+        "local-only flags on a cluster dry run",
+        lambda c: ["--device", "cuda", "--dry-run", "--steps", "3", "--resume"],
+        2,
+        "error: --steps, --resume configure the local CPU run, not a cuda cluster run: drop them (pass verl "
+        "overrides after --, e.g. -- trainer.total_training_steps=N)",
+    ),
+    Case(
+        "launcher",
+        "dry run with a missing --train-file and no --val-file",
+        lambda c: ["--device", "cuda", "--dry-run", "--train-file", c.tmp / "nope.parquet"],
+        2,
+        "error: DAPO-Math-17k {tmp}/nope.parquet: missing: download it with `wget -O {tmp}/nope.parquet {url}`",
+    ),
+    Case(
+        "launcher",
+        "real run without files",
+        lambda c: ["--device", "cuda"],
+        2,
+        "error: a cluster run needs --model, --train-file, --val-file, --ckpt-dir: pass the model dir, data files "
+        "and a checkpoint dir on the shared filesystem",
+    ),
+    Case(
+        "launcher",
+        "--model without config.json",
+        lambda c: ["--device", "cuda", "--dry-run", "--model", c.tmp],
+        2,
+        "error: --model {tmp} has no config.json: pass the HF checkpoint dir of Qwen3-30B-A3B",
+    ),
+]
+
+
+def _report(ctx: Ctx, name: str = "a.json", **kw) -> Path:
+    from tests.test_monitor_report import BALANCED_LE, _write
+
+    return _write(ctx.tmp / name, [BALANCED_LE], **kw)
+
+
+def _damaged(ctx: Ctx, edit) -> Path:
+    path = _report(ctx)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _rendered(ctx: Ctx) -> list:
+    from backend.monitor.cli import main
+
+    report = _report(ctx)
+    assert main(["render", str(report), "-o", str(ctx.tmp / "html")]) == 0
+    return ["render", report, "-o", ctx.tmp / "html"]
+
+
+MONITOR = [
+    Case(
+        "monitor",
+        "report file missing",
+        lambda c: ["render", c.tmp / "nope.json", "-o", c.tmp / "o"],
+        2,
+        "error: {tmp}/nope.json: no such report file: pass the JSON the monitor wrote",
+    ),
+    Case(
+        "monitor",
+        "truncated report",
+        lambda c: ["render", _truncate(_report(c), 100), "-o", c.tmp / "o"],
+        2,
+        "error: {tmp}/a.json is not valid JSON ({detail}): was it truncated?",
+    ),
+    Case(
+        "monitor",
+        "newer schema version",
+        lambda c: ["render", _damaged(c, lambda d: d.update(schema_version=99)), "-o", c.tmp / "o"],
+        2,
+        "error: {tmp}/a.json has schema version 99, this reader needs 1: render it with the matching release",
+    ),
+    Case(
+        "monitor",
+        "not a report",
+        lambda c: ["render", _damaged(c, lambda d: d.pop("schema")), "-o", c.tmp / "o"],
+        2,
+        "error: {tmp}/a.json is not a routing-balance report (no schema 'mcore-moe-dapo/routing-balance')",
+    ),
+    Case(
+        "monitor",
+        "counts of the wrong shape",
+        lambda c: [
+            "render",
+            _damaged(c, lambda d: d["phases"]["update"]["cumulative"].pop()),
+            "-o",
+            c.tmp / "o",
+        ],
+        2,
+        "error: {tmp}/a.json: phase 'update' counts are not 4 x 16 as meta says: the file is damaged",
+    ),
+    Case(
+        "monitor",
+        "output exists, no --force",
+        _rendered,
+        2,
+        "error: {tmp}/html exists: pass --force to replace it or choose another directory",
+    ),
+    Case(
+        "monitor",
+        "output is a file",
+        lambda c: ["render", _report(c), "-o", _report(c, "b.json")],
+        2,
+        "error: {tmp}/b.json is a file: pass a directory path for the output",
+    ),
+    Case(
+        "monitor",
+        "compare with one report and no windows",
+        lambda c: ["compare", _report(c), "-o", c.tmp / "o"],
+        2,
+        "error: one report given: pass a second report, or --window early late",
+    ),
+    Case(
+        "monitor",
+        "compare three reports",
+        lambda c: ["compare", *[_report(c)] * 3, "-o", c.tmp / "o"],
+        2,
+        "error: compare takes one or two reports, got 3",
+    ),
+    Case(
+        "monitor",
+        "window out of range",
+        lambda c: ["compare", _report(c), "--window", "early", "9", "-o", c.tmp / "o"],
+        2,
+        "error: window '9' not in {tmp}/a.json (1 windows): use early, late, all or an index",
+    ),
+    Case(
+        "monitor",
+        "-o missing",
+        lambda c: ["render", _report(c)],
+        2,
+        "error: python -m backend.monitor render: the following arguments are required: -o/--out; "
+        "see python -m backend.monitor render --help",
+    ),
+]
+
+CASES = CONVERTERS + PLANNER + MONITOR
+HEADER = """# Bad inputs tried per CLI
+
+Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the
+exit code and the one line printed (on stderr; on stdout for the findings, exit 1). Paths:
+`{tmp}` the run's scratch dir, `{hf}` a tiny HF model, `{mcore}` its dist checkpoint; `{...}`
+elsewhere stands for a detail of the run (a byte range, the library's own wording).
+Exit codes: `backend/cli_contract.py`.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table() -> str:
+    lines = [HEADER]
+    for cli, title in (
+        ("converters", "python -m converters"),
+        ("parallel", "python -m parallel"),
+        ("launcher", "bash scripts/train_mcore.sh"),
+        ("monitor", "python -m backend.monitor"),
+    ):
+        rows = [c for c in CASES if c.cli == cli]
+        lines += [
+            f"\n## `{title}` ({len(rows)} rows)\n",
+            "| bad input | exit | message |",
+            "| --- | --- | --- |",
+        ]
+        lines += [f"| {c.what} | {c.code} | `{_cell(c.message)}` |" for c in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())

@@ -1,0 +1,88 @@
+"""Each bad input of tests/bad_inputs.py gives its exit code and exactly its one line, with
+no output and no side effect left; docs/bad_inputs.md is the table of exactly these rows."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.bad_inputs import CASES, Case, Ctx, table
+
+REPO = Path(__file__).resolve().parents[1]
+PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def _main(cli: str):
+    if cli == "converters":
+        from converters.cli import main
+    elif cli == "parallel":
+        from parallel.cli import main
+    elif cli == "launcher":
+        from recipes.dapo.launch import main
+    else:
+        from backend.monitor.cli import main
+    return main
+
+
+def _pattern(message: str, ctx: Ctx) -> re.Pattern:
+    known = {
+        "tmp": str(ctx.tmp),
+        "hf": str(ctx.hf),
+        "mcore": str(ctx.mcore),
+        "pid": str(os.getpid()),
+    }
+    parts, at = [], 0
+    for match in PLACEHOLDER.finditer(message):
+        parts.append(re.escape(message[at : match.start()]))
+        name = match[1]
+        parts.append(re.escape(known[name]) if name in known else ".+?")
+        at = match.end()
+    return re.compile("".join(parts) + re.escape(message[at:]))
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_hf_dir, tmp_path_factory):
+    from converters.convert import convert_hf_to_mcore
+
+    return tiny_hf_dir, convert_hf_to_mcore(tiny_hf_dir, tmp_path_factory.mktemp("bad") / "mcore")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
+def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(
+        "recipes.dapo.cluster.run_command", lambda cmd, env: pytest.fail(f"started {cmd}")
+    )
+    ctx = Ctx(tmp_path, *sources)
+    argv = [str(a) for a in case.setup(ctx)]
+    capsys.readouterr()
+    try:
+        code = _main(case.cli)(argv)
+    finally:
+        getattr(ctx, "release", lambda: None)()
+    out, err = capsys.readouterr()
+    assert code == case.code, (out, err)
+    pattern = _pattern(case.message, ctx)
+    if case.stream == "err":
+        assert err.count("\n") == 1 and pattern.fullmatch(err.rstrip("\n")), err
+    else:
+        assert any(pattern.fullmatch(line) for line in out.splitlines()), out
+    assert not {"out", "o", "pwned"} & {
+        p.name for p in tmp_path.iterdir()
+    }  # nothing written, nothing run
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or p.name.endswith(".lock")]
+
+
+def test_every_cli_has_its_rows_and_the_table_is_current():
+    counts = {
+        cli: sum(c.cli == cli for c in CASES)
+        for cli in ("converters", "parallel", "launcher", "monitor")
+    }
+    assert (
+        counts["converters"] >= 20
+        and counts["parallel"] + counts["launcher"] >= 12
+        and counts["monitor"] >= 8
+    )
+    assert (REPO / "docs" / "bad_inputs.md").read_text() == table(), (
+        "run: python -m tests.bad_inputs > docs/bad_inputs.md"
+    )
