@@ -155,10 +155,12 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         "trainer.resume_mode": "auto",
         "trainer.val_before_train": "true",
         "trainer.default_local_dir": str(files["--ckpt-dir"]),
+        "hydra.run.dir": f"{files['--ckpt-dir']}/hydra",
         "trainer.logger": "[console,tensorboard]",
         "trainer.project_name": "mcore-moe-dapo",
         "trainer.experiment_name": f"qwen3-30b-a3b-{'a2' if a2 else 'h100'}-tp4-ep8",
-        **{f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": v for k, v in env.items()},
+        # quoted: hydra must hand Ray strings, not HCCL_EXEC_TIMEOUT=3600 as an int
+        **{f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": f"'{v}'" for k, v in env.items()},
     }
 
 
@@ -307,6 +309,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform,recipes.local.rollout"
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
+    capsys.readouterr()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
 
 

@@ -261,9 +261,11 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     for name in (
         "meta.json",
         "optim/dist_ckpt/.metadata",
-        "optim/schedule.json",
+        "optim/dist_ckpt/schedule.json",
+        "optim/dist_ckpt/manifest.json",
         "moe_report.json",
         "model/dist_ckpt/hf_config.json",
+        "model/dist_ckpt/manifest.json",
     ):
         assert (root / name).is_file(), name
 
@@ -271,9 +273,7 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     out = tmp_path / "hf_export"
     assert (
         converters_main(
-            # --no-manifest-check until the engine's save writes a manifest (issue 15, lead)
-            ["mcore-to-hf", str(root), str(out), "--template", str(tiny_hf_dir), "--no-progress",
-             "--no-manifest-check"]
+            ["mcore-to-hf", str(root), str(out), "--template", str(tiny_hf_dir), "--no-progress"]
         )
         == 0
     )
@@ -330,3 +330,38 @@ def test_micro_batches_respect_the_padded_token_budget():
         plan_by_tokens(lengths, budget=8, multiple=1)
     with pytest.raises(BatchError, match="cannot make 7 micro-batches"):
         split_to([[0], [1]], 7)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "crafted .metadata", "no manifest"])
+def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(
+    damage, make_engine, tmp_path
+):
+    """Resume reads nothing megatron would unpickle before the manifest and allow-list pass."""
+    from converters.hf_io import CheckpointError
+    from tests.test_safe_checkpoints import _call
+
+    root = tmp_path / "global_step_1" / "actor"
+    make_engine().save_checkpoint(str(root), global_step=1)
+    model_dir, victim = root / "model" / "dist_ckpt", tmp_path / "pwned"
+    if damage == "flipped byte":
+        data = sorted(model_dir.glob("*.distcp"))[0]
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "crafted .metadata":
+        payload = _call("torch.distributed.checkpoint.filesystem", "os.mkdir", str(victim))
+        (model_dir / ".metadata").write_bytes(payload)
+        import json
+
+        from converters.manifest import hash_file
+
+        manifest = json.loads((model_dir / "manifest.json").read_text())
+        manifest["files"][".metadata"] = hash_file(model_dir / ".metadata")
+        # a manifest that agrees does not make it loadable
+        (model_dir / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        (model_dir / "manifest.json").unlink()
+    with pytest.raises(CheckpointError) as err:
+        make_engine().load_checkpoint(str(root))
+    assert "\n" not in str(err.value) and str(model_dir) in str(err.value)
+    assert not victim.exists()

@@ -318,7 +318,8 @@ class McoreEpEngine(BaseEngine):
             self.optim.save(root / weights.OPTIM_DIR)
             self.offload(model=False, optimizer=self.is_optimizer_offload_enabled)
         self.offload(model=self.is_param_offload_enabled, optimizer=False)
-        dist.barrier()
+        sealed = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
+        weights.seal(root, sealed)
         if rank == 0:
             self._saved.append(root)
             weights.prune(self._saved, max_ckpt_to_keep)
@@ -338,6 +339,9 @@ class McoreEpEngine(BaseEngine):
             )
         if with_optim:
             weights.check_optim_dir(root)
+        weights.check_sealed(
+            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
+        )
         self.onload(
             model=self.is_param_offload_enabled,
             optimizer=with_optim and self.is_optimizer_offload_enabled,

@@ -155,7 +155,8 @@ class McoreOptimizer:
         dist.barrier()
         dist_checkpointing.save(self._sharded(is_loading=False), str(out / STATE_DIR))
         if dist.get_rank() == 0:
-            (out / SCHEDULE).write_text(json.dumps({"updates": self.updates}))
+            # beside megatron's files, so the directory's manifest covers it
+            (out / STATE_DIR / SCHEDULE).write_text(json.dumps({"updates": self.updates}))
         dist.barrier()
 
     def load(self, src: Path) -> None:
@@ -167,7 +168,7 @@ class McoreOptimizer:
         with torch.no_grad():  # fp32 main params are views of the (leaf) model params
             self.optimizer.load_state_dict(state)
         self._restore_torch_adam_step()
-        self.updates = json.loads((src / SCHEDULE).read_text())["updates"]
+        self.updates = json.loads((src / STATE_DIR / SCHEDULE).read_text())["updates"]
         self._apply_schedule()
 
     def _torch_adams(self) -> list:

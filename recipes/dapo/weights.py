@@ -99,6 +99,7 @@ def read_meta(root: Path) -> dict:
 
 
 OPTIM_DIR = "optim"
+OPTIM_STATE = f"{OPTIM_DIR}/dist_ckpt"  # megatron's sharded optimizer state + schedule.json
 
 
 def check_optim_dir(root: Path) -> None:
@@ -115,6 +116,38 @@ def check_optim_dir(root: Path) -> None:
             f"{optim} has no megatron-core optimizer checkpoint (dist_ckpt/.metadata): was the "
             "save interrupted, or saved without the optimizer (checkpoint.save_contents)?"
         )
+
+
+def seal(root: Path, dirs: list[Path]) -> None:
+    """After every rank wrote: rank 0 hashes each checkpoint directory into its manifest.json
+    (converters.manifest; mcore-to-hf and resume check against it). Collective."""
+    from converters.manifest import write_manifest
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for d in dirs:
+            write_manifest(d, kind="mcore-torch_dist", source=str(root))
+    dist.barrier()
+
+
+def check_sealed(dirs: list[Path]) -> None:
+    """Before megatron-core unpickles anything of a checkpoint: rank 0 checks every file
+    against its manifest and vets every pickle with the allow-list (converters.safe_pickle);
+    a failure reaches every rank as the same one-line CheckpointError. Collective."""
+    from converters.manifest import verify_manifest
+    from converters.safe_pickle import check_dist_checkpoint
+
+    problem = [None]
+    if dist.get_rank() == 0:
+        try:
+            for d in dirs:
+                verify_manifest(d)
+                check_dist_checkpoint(d)
+        except CheckpointError as err:
+            problem[0] = str(err)
+    dist.broadcast_object_list(problem, src=0)  # our own string, not a user file
+    if problem[0]:
+        raise CheckpointError(problem[0])
 
 
 def prune(saved: list[Path], keep: int | None) -> None:

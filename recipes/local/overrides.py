@@ -11,9 +11,10 @@ PLATFORM_MODULES = "recipes.local.platform,recipes.local.rollout"
 TOY = dict(
     max_prompt_length=32,
     max_response_length=3,  # an answer digit and <|im_end|> fit in 2: one token of slack
-    train_batch_size=16,
-    n=8,
-    lr=5e-3,
+    train_batch_size=8,
+    mini_batch_size=2,  # 4 updates a step: more learning per sampled token, the CPU's cost
+    n=16,
+    lr=2e-3,
     warmup_steps=3,
     overlong_buffer=1,
     inflight_gen_batches=2,
@@ -36,7 +37,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             "algorithm.filter_groups.max_inflight_gen_batches": TOY["inflight_gen_batches"]
         },
         "policy": {
-            f"{a}.ppo_mini_batch_size": TOY["train_batch_size"],
+            f"{a}.ppo_mini_batch_size": TOY["mini_batch_size"],
             f"{a}.ppo_max_token_len_per_gpu": 4096,
             f"{a}.optim.lr": TOY["lr"],
             f"{a}.optim.lr_warmup_steps": TOY["warmup_steps"],
