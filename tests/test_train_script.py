@@ -122,6 +122,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001}",
         f"{engine}.monitor.enable": "true",
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
+        f"{engine}.monitor.assumed_ep_skew": "2.0",
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
         f"{rollout}.tensor_model_parallel_size": "2",

@@ -365,3 +365,9 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(
         make_engine().load_checkpoint(str(root))
     assert "\n" not in str(err.value) and str(model_dir) in str(err.value)
     assert not victim.exists()
+
+
+def test_monitor_guards_the_plans_assumed_ep_skew(make_engine):
+    engine = make_engine(monitor={"enable": True, "log_dir": None, "assumed_ep_skew": 1.5})
+    guard = engine.routing.monitor.skew_guard
+    assert guard.assumed_skew == 1.5 and guard.every_n_steps == 50

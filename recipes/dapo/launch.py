@@ -214,16 +214,25 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         str(ckpt_dir),
         env,
     )
-    groups, replaced = overrides.merge(overrides.build(run), extra)
-    return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, args.skew_from))
+    skew = _assumed_skew(args.skew_from)
+    built = overrides.build(run)
+    # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
+    built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
+    groups, replaced = overrides.merge(built, extra)
+    return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, skew))
 
 
-def _skew_lines(model_fit, fit, report: str | None) -> tuple[str, ...]:
+def _assumed_skew(report: str | None):
+    from parallel.skew import default_skew, skew_from_report
+
+    return skew_from_report(report) if report else default_skew()
+
+
+def _skew_lines(model_fit, fit, skew) -> tuple[str, ...]:
     """The actor update at the assumed EP skew (report, or the default), and the skew margin."""
     from parallel.memory import MemoryOptions
-    from parallel.skew import default_skew, skew_from_report, skew_lines
+    from parallel.skew import skew_lines
 
-    skew = skew_from_report(report) if report else default_skew()
     options = MemoryOptions(
         fit.device_gib,
         overrides.MICRO_BATCH_TOKENS,

@@ -30,7 +30,7 @@ class Routing:
 
         self.tap = RouterTap(module, groups)
         if want_monitor:
-            self.monitor = _monitor(spec, groups, monitor.get("log_dir"), self.tap)
+            self.monitor = _monitor(spec, groups, monitor, self.tap)
         if want_aux:
             from backend.aux_loss import AuxLossConfig, mcore_aux_loss
 
@@ -81,11 +81,20 @@ class Routing:
             self.monitor.write_report(path, model=model)
 
 
-def _monitor(spec, groups: ProcessGroups, log_dir, tap):
-    from backend.monitor import ExpertLoadMonitor, tensorboard_writer
+def _monitor(spec, groups: ProcessGroups, settings: dict, tap):
+    """The monitor, with a SkewGuard holding the EP skew the plan's memory verdict assumed
+    (settings["assumed_ep_skew"], parallel.skew's default otherwise)."""
+    from backend.monitor import ExpertLoadMonitor, SkewGuard, tensorboard_writer
+    from parallel.skew import DEFAULT_EP_SKEW
 
+    log_dir = settings.get("log_dir")
     writer = tensorboard_writer(log_dir, groups) if log_dir else None
-    monitor = ExpertLoadMonitor(
-        spec.num_layers, spec.num_experts, groups, writer=writer, top_k=spec.top_k
+    guard = SkewGuard(
+        float(settings.get("assumed_ep_skew") or DEFAULT_EP_SKEW),
+        every_n_steps=int(settings.get("skew_warn_every", 50)),
     )
+    monitor = ExpertLoadMonitor(
+        spec.num_layers, spec.num_experts, groups, writer=writer, top_k=spec.top_k,
+        skew_guard=guard,
+    )  # fmt: skip
     return monitor.attach(tap)

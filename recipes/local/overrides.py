@@ -14,7 +14,8 @@ TOY = dict(
     train_batch_size=8,
     mini_batch_size=2,  # 4 updates a step: more learning per sampled token, the CPU's cost
     n=16,
-    lr=2e-3,
+    lr=1e-2,
+    ppo_epochs=2,
     warmup_steps=3,
     overlong_buffer=1,
     inflight_gen_batches=2,
@@ -39,6 +40,7 @@ def cpu_overrides(run) -> dict[str, dict]:
         "policy": {
             f"{a}.ppo_mini_batch_size": TOY["mini_batch_size"],
             f"{a}.ppo_max_token_len_per_gpu": 4096,
+            f"{a}.ppo_epochs": TOY["ppo_epochs"],
             f"{a}.optim.lr": TOY["lr"],
             f"{a}.optim.lr_warmup_steps": TOY["warmup_steps"],
         },
