@@ -68,7 +68,9 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
     from megatron.core.transformer import TransformerConfig
 
     tp = groups.size("tp")
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recompute = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -145,7 +147,9 @@ def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
         attention = replace(layer.self_attention.submodules, core_attention=SDPAttention)
         layer = replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
     if opts.resolved_experts() == "grouped":
-        experts = ModuleSpec(module=GroupedExperts, params={"groups": groups, "gemm": opts.grouped_gemm})
+        experts = ModuleSpec(
+            module=GroupedExperts, params={"groups": groups, "gemm": opts.grouped_gemm}
+        )
         moe = replace(layer.mlp.submodules, experts=experts)
         layer = replace(layer, mlp=replace(layer.mlp, submodules=moe))
     return replace(spec, submodules=layer)
@@ -172,6 +176,33 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta),
     )
+    tag_expert_replicas(model, groups)
     if opts.device != "cpu":
         model = model.to(torch.device(opts.device, torch.accelerator.current_device_index()))
     return model
+
+
+def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
+    """Mark expert weights `allreduce=False` wherever their replicas are not the dense ones'.
+
+    megatron-core's DDP reduces a parameter over the dense DP(xCP) group unless it is tagged
+    `allreduce=False`, which puts it in the expert buffers (reduced over expert-DP) and the
+    expert optimizer (sharded over expert-DP). Its expert linears (and backend.experts, which
+    copies the rule) tag only when ep > 1. With ep == 1 and etp != tp (tp=2, etp=1: every TP
+    rank holds all experts and, with sequence parallelism, routes only its own slice of the
+    tokens) each TP rank's expert gradient is a partial sum that must be summed over
+    expert-DP, yet the dense group does not contain those ranks: the experts were updated
+    with their local partial gradients only and drifted apart across TP. Tagging them sends
+    them through expert-DP as for ep > 1. Returns how many parameters were tagged.
+    """
+    if groups.size("edp") == groups.size("dp") * groups.size("cp"):
+        return 0  # ep == 1, etp == tp: the same replicas (ep > 1: megatron-core tagged them)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    tagged = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
+                tagged += 1
+    return tagged

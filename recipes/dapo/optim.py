@@ -5,9 +5,10 @@ fp32 master weights and Adam state sharded over DP / expert-DP: the layout paral
 model assumes). On cpu megatron-core's CUDA-only spots are passed by the named shims in
 backend.mcore_shims (`optimizer_*`, `dist_optim_*`, `clip_grads_cpu`, `local_l2_norm_on_cpu`).
 
-- gradients: DDP averages over DP (megatron's default scaling 1/dp, experts included), which
-  is what verl's losses expect (token-mean multiplies by dp_size); finalize_model_grads adds
-  the TP sums of sequence-parallel and q/k-norm weights;
+- gradients: DDP averages over DP (megatron's default scaling 1/dp, experts included: they
+  are summed over expert-DP, see backend.model.tag_expert_replicas for ep == 1, etp != tp),
+  which is what verl's losses expect (token-mean multiplies by dp_size); finalize_model_grads
+  adds the TP sums of sequence-parallel and q/k-norm weights;
 - schedule, written once here: lr * min(1, (k + 1) / warmup) at update k; weight decay is
   the configured one times megatron's per-group `wd_mult` (0 for biases and 1-D params:
   megatron's no-decay rule, which its own OptimizerParamScheduler would apply);
