@@ -14,12 +14,13 @@ TOY = dict(
     train_batch_size=8,
     mini_batch_size=2,  # 4 updates a step: more learning per sampled token, the CPU's cost
     n=16,
-    lr=1e-2,
+    lr=3e-3,
     ppo_epochs=2,
     warmup_steps=3,
     overlong_buffer=1,
     inflight_gen_batches=2,
     test_freq=5,
+    val_n=4,  # 4 samples of each validation prompt: a steadier yardstick
 )
 
 
@@ -53,7 +54,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
             f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
             f"{r}.agent.num_workers": 2,
-            f"{r}.val_kwargs.n": 1,
+            f"{r}.val_kwargs.n": TOY["val_n"],
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
         },
         "reward": {

@@ -9,8 +9,10 @@ whose accuracy varies, so they stay below what the policy does.
 import json
 from pathlib import Path
 
-REWARD_KEY = "val-aux/math_dapo/reward/mean@1"
-ACC_KEY = "val-core/math_dapo/acc/mean@1"
+from recipes.local.overrides import TOY
+
+REWARD_KEY = f"val-aux/math_dapo/reward/mean@{TOY['val_n']}"
+ACC_KEY = f"val-core/math_dapo/acc/mean@{TOY['val_n']}"
 TRAIN_SCORE_KEY = "critic/score/mean"
 STEP_TIME_KEYS = ("timing_s/step", "timing_s/testing")
 

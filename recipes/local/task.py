@@ -90,7 +90,7 @@ def _row(problem: Problem, index: int, split: str) -> dict:
     }
 
 
-def write_data(out: Path, ops: str = "+", max_operand: int = 4, repeats: int = 60) -> dict:
+def write_data(out: Path, ops: str = "+", max_operand: int = 2, repeats: int = 100) -> dict:
     """train.parquet (balanced problems, repeated for enough steps) and val.parquet (each once)."""
     import pandas as pd
 
