@@ -267,8 +267,9 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     if not args.resume and not args.dry_run:
         _start_over(out)
     hf_dir, files = local.prepare(out, seed=args.seed or 0)
-    # nominal: the CPU rollout reads no memory fraction and there is nothing to offload to
-    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=False, optimizer_offload=False)
+    # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
+    # so verl's offload/onload calls run between rollout and update here too
+    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.RunSpec(
         "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
         str(out / "checkpoints"), local.job_env(cluster.REPO, out),
