@@ -356,3 +356,16 @@ def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(device, la
     # full recompute leaves one layer's expert activations exposed to routing skew
     assert "2.00x EP skew assumed (default" in out
     assert "fits even with every token on one EP rank (8x)" in out
+
+
+def test_history_merges_launches_and_skips_a_torn_line(tmp_path):
+    from recipes.local.run import next_metrics_file, read_history
+
+    first = next_metrics_file(tmp_path)
+    rows = [{"step": s, "data": {"r": float(s)}} for s in (1, 2, 3)]
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "da')
+    second = next_metrics_file(tmp_path)  # a resume from step 2 runs step 3 again
+    second.write_text(json.dumps({"step": 3, "data": {"r": 30.0}}) + "\n")
+    assert [first.name, second.name] == ["launch_000.jsonl", "launch_001.jsonl"]
+    history = read_history(tmp_path)
+    assert [(h["step"], h["r"]) for h in history] == [(1, 1.0), (2, 2.0), (3, 30.0)]

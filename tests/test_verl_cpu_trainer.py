@@ -32,7 +32,7 @@ def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subproces
 def history(out: Path) -> dict[int, dict]:
     from recipes.local.run import read_history
 
-    return {row["step"]: row for row in read_history(out / "metrics.jsonl")}
+    return {row["step"]: row for row in read_history(out / "metrics")}
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +95,10 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     shutil.copytree(src / "data", out / "data")
     shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
-    rows = [line for line in (src / "metrics.jsonl").read_text().splitlines()]
+    rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
-    (out / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
+    (out / "metrics").mkdir()
+    (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
     proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
     assert proc.returncode == 0
     assert "Resuming from" in proc.stdout + proc.stderr

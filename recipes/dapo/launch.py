@@ -283,7 +283,7 @@ def _start_over(out: Path) -> None:
     """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
     import shutil
 
-    old = [out / "checkpoints", out / "metrics.jsonl", out / "tensorboard"]
+    old = [out / "checkpoints", out / "metrics", out / "tensorboard"]
     if any(p.exists() for p in old):
         print(f"starting over in {out} (add --resume to continue the run there)")
         for p in old:

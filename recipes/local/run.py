@@ -20,6 +20,7 @@ from pathlib import Path
 
 from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
+METRICS = "metrics"  # verl's file logger, one jsonl per launch
 TINY_VOCAB = 32  # the task tokenizer's 26 tokens, rounded up
 
 
@@ -52,7 +53,8 @@ def job_env(repo: Path, out: Path) -> dict[str, str]:
         "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
         "PYTHONPATH": f"{repo}{os.pathsep}{path}" if path else str(repo),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
-        "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
+        # verl's file logger truncates its file: each launch (a resume too) gets its own
+        "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
         "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_DEDUP_LOGS": "0",
@@ -63,7 +65,7 @@ def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float 
     """Export, reload check, routing report, reward curve, summary (after verl returns)."""
     from recipes.local.export import check_export, latest_actor_checkpoint
 
-    history = read_history(out / "metrics.jsonl")
+    history = read_history(out / METRICS)
     actor = latest_actor_checkpoint(out / "checkpoints")
     paths: dict = {"tensorboard": out / "tensorboard", "checkpoint": actor}
     diff = None
@@ -80,17 +82,27 @@ def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float 
     return 0 if diff is not None and diff < 1e-4 else 1
 
 
-def read_history(path: Path) -> list[dict]:
-    """verl's file logger rows {step, data} -> [{step, **metrics}] (last row per step wins;
-    a torn last line from a killed run is skipped)."""
+def next_metrics_file(folder: Path) -> Path:
+    """<out>/metrics/launch_NNN.jsonl, one past the newest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"launch_{len(list(folder.glob('launch_*.jsonl'))):03d}.jsonl"
+
+
+def read_history(folder: Path) -> list[dict]:
+    """verl's file-logger rows {step, data} of every launch -> [{step, **metrics}].
+
+    A later launch (a resume) replaces the steps it ran again; a torn last line of a killed
+    launch is skipped."""
     rows: dict[int, dict] = {}
-    if path.is_file():
+    for path in sorted(folder.glob("launch_*.jsonl")):
+        launch: dict[int, dict] = {}
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            rows[row["step"]] = {**rows.get(row["step"], {}), **row["data"]}
+            launch[row["step"]] = {**launch.get(row["step"], {}), **row["data"]}
+        rows.update(launch)
     return [{"step": step, **data} for step, data in sorted(rows.items())]
 
 
