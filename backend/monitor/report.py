@@ -16,7 +16,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,7 @@ def build_report(history: LoadHistory, plan: dict, model: str = "", top_k: int |
         "num_experts": history.num_experts, "top_k": top_k, "phases": list(history.phases),
         "window_steps": history.window_steps, "steps": len(steps),
         "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"), **extra,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra,
     }
     phases = {}
     for i, name in enumerate(history.phases):
