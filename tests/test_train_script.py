@@ -4,6 +4,7 @@ and misuse stops with one line before anything is started."""
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch
+from recipes.dapo import cluster, launch, stack
 
 REPO = Path(__file__).resolve().parents[1]
 A2_ENV = {
@@ -73,8 +74,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         "+reward.reward_kwargs",
     )
     env = {
-        "VERL_USE_EXTERNAL_MODULES": "recipes.dapo.engine",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
         **(A2_ENV if a2 else {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}),
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
@@ -277,13 +277,14 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     monkeypatch.setattr(cluster, "ray_executable", lambda: str(fake_ray))
     started = []
     monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
     assert launch.main(argv(files, "--device", "cuda")) == 2  # 16 GPUs < 32
     assert started == []
     fake_ray.write_text("#!/bin/sh\necho ' 0.0/32.0 GPU'\n")
     assert launch.main(argv(files, "--device", "cuda", "--", "trainer.total_epochs=1")) == 0
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[-1] == "trainer.total_epochs=1"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.dapo.engine"
+    assert "VERL_USE_EXTERNAL_MODULES" not in env
 
 
 def test_no_accelerator_runs_the_local_recipe(monkeypatch, nothing_starts, capsys):

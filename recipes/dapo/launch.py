@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.dapo import cluster, data, overrides
+from recipes.dapo import cluster, data, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100"}
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(resolved.describe())
         if args.dry_run:
             return 0
+        stack.check_installed(device)  # the target's package set, before Ray or any model work
         if device == "npu":
             cluster.raise_open_files()
         cluster.check_ray(device, resolved.run.plan.world)
