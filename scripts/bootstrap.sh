@@ -73,7 +73,8 @@ if [[ $TARGET == npu ]]; then
     for pkg in torch torch-npu; do
         have=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('$pkg').split('+')[0])" 2>/dev/null || true)
         if [[ $have != "$(pin "$pkg")" ]]; then
-            echo "bootstrap: $pkg ${have:-is not installed}, the npu set needs $(pin "$pkg"): use the A2 base image with torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)" >&2
+            found=${have:+$have is installed}
+            echo "bootstrap: $pkg ${found:-is not installed}, the npu set needs $(pin "$pkg"): use the A2 base image with torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)" >&2
             exit 2
         fi
     done

@@ -9,22 +9,29 @@ define the stack). Each (Python, machine) the target runs on is resolved with
 the lock is the union of those resolutions (constraints: name==version per line).
 
 Nothing multi-GB is downloaded. PyPI's simple index as served here has no PEP 658 `.metadata`
-files (measured: a plain dry run fetched 3.2 GB, the CUDA torch and its nvidia-* wheels, to read
-their metadata), so pip reads each wheel's metadata through HTTP range requests
-(`--use-feature=fast-deps`: a few kB per wheel); and the base image's torch is stood in for by a metadata-only wheel (see `_stub`): PyPI's
-x86_64 torch is a CUDA build whose nvidia-* dependencies are not what the CPU or Ascend images
-carry (their torch is the `+cpu` build, whose dependencies equal PyPI's aarch64 wheel's). `check`
-fails when pip downloads more than MAX_DOWNLOAD_MB of wheels in a resolution.
+files (measured: a plain dry run of the cpu set fetched 3.2 GB, the CUDA torch and its nvidia-*
+wheels, to read their metadata), so pip reads each wheel's metadata through HTTP range requests
+(`--use-feature=fast-deps`). The base image's torch is stood in for by a metadata-only wheel
+(`_stub`): PyPI's x86_64 torch is a CUDA build whose nvidia-* dependencies are not what the CPU
+or Ascend images carry. `check` fails when pip downloads more than MAX_DOWNLOAD_MB of wheels.
+
+pip evaluates environment markers for the interpreter it runs in, not for --python-version /
+--platform: each resolution runs pip under that Python version (a venv in .cache/resolve/), and
+machine markers are those of this x86_64 host (e.g. xgrammar's x86_64-only triton lands in the
+npu lock; bootstrap skips it on Ascend). Packages only on git (MindSpeed, vllm, vllm-ascend) are
+not resolved themselves: their declared requirements (npu-git-requires.txt) are.
 """
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +46,11 @@ class Target:
     machines: tuple[str, ...]
     glibc: int = 28  # newest manylinux_2_N the images run (cuda: Ubuntu 22.04 images, 2.35)
     base: tuple[str, ...] = ()  # the image's packages: resolved against, never installed by us
-    # installed with --no-deps: name -> the requirements it needs at run time (its declared ones
-    # pull what our code never imports, e.g. megatron-core 0.12.1's nvidia-modelopt, zarr, pytest)
-    no_deps: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # metadata stand-ins (version from <target>.in): name -> requirements. antlr4-python3-runtime
+    # 4.9.3 (hydra-core's and omegaconf's ==4.9.*) has only an sdist, which --only-binary
+    # excludes: without it pip backtracks to hydra-core 0.11.3. megatron-core 0.12.1 on npu is
+    # installed --no-deps: its declared nvidia-modelopt, zarr, pytest... are never imported.
+    stubs: tuple[tuple[str, tuple[str, ...]], ...] = (("antlr4-python3-runtime", ()),)
 
 
 TARGETS = {
@@ -51,7 +60,10 @@ TARGETS = {
         ("3.10",),
         ("aarch64", "x86_64"),
         base=("torch",),
-        no_deps=(("megatron-core", ("torch", "numpy", "packaging")),),
+        stubs=(
+            ("antlr4-python3-runtime", ()),
+            ("megatron-core", ("torch", "numpy", "packaging")),
+        ),
     ),
 }
 
@@ -86,6 +98,36 @@ def project_requirements() -> list[str]:
     return re.findall(r'^\s*"([^"]+)"', block, re.MULTILINE)
 
 
+PIP_VERSION = "26.3"
+
+
+def pip_for(python: str) -> list[str]:
+    """pip (PIP_VERSION) run by a Python `python` interpreter: pip evaluates environment
+    markers (python_version < "3.11": exceptiongroup, tomli...) for the interpreter it runs in,
+    whatever --python-version says. A venv per version is kept in .cache/resolve/."""
+    venv = ROOT / ".cache" / "resolve" / f"py{python}"
+    exe = venv / "bin" / "python"
+    if not exe.exists():
+        candidates = [shutil.which(f"python{python}")]  # a pyenv shim may not run: try each
+        candidates += sorted(Path.home().glob(f".pyenv/versions/{python}.*/bin/python{python}"))
+        found = next((c for c in candidates if c and _runs(c)), None)
+        if found is None:
+            raise SystemExit(
+                f"no python{python} here to resolve for it (pip evaluates markers for the "
+                f"interpreter it runs in): install Python {python} (e.g. pyenv install {python})"
+            )
+        subprocess.run([str(found), "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(exe), "-m", "pip", "install", "-q", f"pip=={PIP_VERSION}"],
+            check=True, env=_pip_env(), capture_output=True,
+        )  # fmt: skip
+    return [str(exe), "-m", "pip"]
+
+
+def _runs(python) -> bool:
+    return subprocess.run([str(python), "-c", ""], capture_output=True).returncode == 0
+
+
 def _pip_env() -> dict[str, str]:
     # this machine's pip config (find-links to local wheels) must not colour the resolution
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
@@ -95,7 +137,7 @@ def _pip_env() -> dict[str, str]:
 def _metadata(name: str, version: str, python: str, out: Path) -> dict:
     report = out / f"{name}-meta.json"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+        [*pip_for(python), "install", "-q", "--dry-run", "--ignore-installed",
          "--no-deps", "--use-feature=fast-deps", "--report", str(report), "--python-version",
          python, *platforms("aarch64"), "--only-binary=:all:", f"{name}=={version}"],
         check=True, env=_pip_env(), capture_output=True,
@@ -108,7 +150,7 @@ def _stub(name: str, version: str, python: str, out: Path, requires=None) -> str
     is named, and as torch_npu's x86_64 wheel requires it; its requirements are the PyPI wheel's
     without the CUDA runtime), or a --no-deps package, version+stub, with the requirements it
     needs at run time. Returns the requirement that selects it."""
-    meta = _metadata(name, version, python, out)
+    meta = _metadata(name, version, python, out) if requires is None else {}
     local = "cpu" if requires is None else "stub"
     if requires is None:
         # drop the CUDA runtime (nvidia-*, cuda-*, triton): PyPI's aarch64 torch may be a CUDA build
@@ -157,12 +199,12 @@ def resolve(target: str, python: str, machine: str, lock: Path | None) -> Resolu
         args, reqs = [], list(project_requirements())
         # on every machine: pip evaluates environment markers for the running interpreter (x86_64
         # here) whatever --platform says, so torch's CUDA-only requirements would apply anyway
-        stubs = [(name, None) for name in spec.base] + list(spec.no_deps)
+        stubs = [(name, None) for name in spec.base] + list(spec.stubs)
         for name, requires in stubs:
             reqs.append(_stub(name, pin(infile, name), python, tmp, requires))
         args += ["--find-links", str(tmp)] if stubs else []
         report = tmp / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-v",
+        cmd = [*pip_for(python), "install", "--dry-run", "--ignore-installed", "-v",
                "--report", str(report), "--python-version", python, *platforms(machine, spec.glibc),
                "--only-binary=:all:", "--use-feature=fast-deps", "--cache-dir", str(tmp / "cache"),
                "-r", str(infile),
@@ -184,7 +226,7 @@ def resolve(target: str, python: str, machine: str, lock: Path | None) -> Resolu
     for item in installs:
         name = canonical(item["metadata"]["name"])
         version = item["metadata"]["version"]
-        stubbed = name in spec.base or name in dict(spec.no_deps)
+        stubbed = name in spec.base or name in dict(spec.stubs)
         versions[name] = version.split("+")[0] if stubbed else version
     return Resolution(python, machine, versions, seconds, downloaded, received / 2**20)
 
@@ -230,36 +272,51 @@ def check(target: str, resolutions: list[Resolution], lock: Path) -> list[str]:
     return problems
 
 
+def _report(target: str, r: Resolution, received: bool = True) -> None:
+    print(
+        f"{target}: Python {r.python} {r.machine}: {len(r.versions)} packages resolved in "
+        f"{r.seconds:.0f} s, {r.downloaded_mb:.1f} MB of whole wheels downloaded"
+        + (f", {r.received_mb:.1f} MB received by this machine meanwhile" if received else ""),
+        flush=True,
+    )
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("check", "lock"):
         print(__doc__, file=sys.stderr)
         return 2
     mode, targets = argv[0], argv[1:] or list(TARGETS)
-    problems = []
-    for target in targets:
-        lock = HERE / f"{target}.lock"
-        spec = TARGETS[target]
-        resolutions = []
-        for py in spec.pythons:
-            for machine in spec.machines:
-                if mode == "lock" and resolutions:
-                    # the first resolution constrains the next ones: one version per package
-                    lock.write_text(lock_text(target, resolutions))
-                constrain = lock if mode == "check" or resolutions else None
-                resolutions.append(resolve(target, py, machine, constrain))
-        for r in resolutions:
-            print(
-                f"{target}: Python {r.python} {r.machine}: {len(r.versions)} packages resolved in "
-                f"{r.seconds:.0f} s, {r.downloaded_mb:.1f} MB of whole wheels downloaded, "
-                f"{r.received_mb:.1f} MB received by this machine meanwhile"
-            )
-        if mode == "lock":
-            lock.write_text(lock_text(target, resolutions))
-        else:
-            problems += check(target, resolutions, lock)
-    for p in problems:
-        print(f"error: {p}", file=sys.stderr)
-    return 1 if problems else 0
+    jobs = [(t, py, m) for t in targets for py in TARGETS[t].pythons for m in TARGETS[t].machines]
+    if mode == "check":  # independent, and mostly waiting on the network: all at once
+        for python in sorted({py for _, py, _ in jobs}):
+            pip_for(python)  # create each pip venv once, before the threads share them
+        for python in sorted({py for _, py, _ in jobs}):
+            pip_for(python)  # create each pip venv once, before the threads share them
+        start, received = time.monotonic(), _received_bytes()
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            done = list(pool.map(lambda job: resolve(*job, HERE / f"{job[0]}.lock"), jobs))
+        problems = []
+        for target in targets:
+            mine = [r for (t, *_), r in zip(jobs, done, strict=True) if t == target]
+            for r in mine:
+                _report(target, r, received=False)
+            problems += check(target, mine, HERE / f"{target}.lock")
+        print(
+            f"{len(jobs)} resolutions in {time.monotonic() - start:.0f} s (in parallel); this "
+            f"machine received {(_received_bytes() - received) / 2**20:.0f} MB meanwhile"
+        )
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    for target in targets:  # lock: the first resolution constrains the next (one version each)
+        lock, resolutions = HERE / f"{target}.lock", []
+        for _, py, machine in [j for j in jobs if j[0] == target]:
+            if resolutions:
+                lock.write_text(lock_text(target, resolutions))
+            resolutions.append(resolve(target, py, machine, lock if resolutions else None))
+            _report(target, resolutions[-1])
+        lock.write_text(lock_text(target, resolutions))
+    return 0
 
 
 if __name__ == "__main__":
