@@ -21,10 +21,21 @@ def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tenso
 
 
 def is_causal_mask(mask: torch.Tensor | None) -> bool:
-    """True for the exact tensor causal_mask hands out (identity: no device sync, no compare)."""
-    if mask is None or mask.dim() != 4:
+    """True for the tensor causal_mask hands out, or a detached alias of it.
+
+    Activation recompute replays the layers on `mask.detach()` (megatron's CheckpointFunction
+    saves its inputs and detaches them for the replay): a new tensor object over the same
+    memory. Same storage, offset, shape and strides means the same values, as the cached mask
+    is never written; no device sync, no element compare.
+    """
+    if mask is None or mask.dim() != 4 or mask.dtype != torch.bool:
         return False
-    return mask is _causal_mask(mask.shape[-1], mask.device)
+    causal = _causal_mask(mask.shape[-1], mask.device)
+    return mask is causal or (
+        mask.data_ptr() == causal.data_ptr()
+        and mask.shape == causal.shape
+        and mask.stride() == causal.stride()
+    )
 
 
 def attention_mask_for(input_ids_BS: torch.Tensor) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ Measured on megatron-core 0.12.1 and 0.16.1 with torch 2.13 (CPU).
 import functools
 import importlib
 import types
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -254,6 +255,55 @@ def _patch_dist_optim_load_adam_step() -> None:
 
     set_states._keeps_step = True
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+def _noop_decorator(func):
+    return func
+
+
+def _compile_wrapped(value):
+    """The function torch.compile wrapped, if `value` is such a wrapper (else None)."""
+    if inspect.isfunction(value):
+        return vars(value).get("_torchdynamo_orig_callable")
+    return None
+
+
+def _patch_jit_fuser_off() -> None:
+    import sys
+
+    from megatron.core import jit
+
+    # modules imported from now on decorate with a no-op (0.16 has disable_jit_fuser for this)
+    jit.jit_fuser = _noop_decorator
+    # ones already imported (MindSpeed's adaptor imports megatron first) hold torch.compile
+    # wrappers, compiled lazily on the first call: put the original functions back
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core.") or module is None:
+            continue
+        owners = [module] + [
+            v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name
+        ]  # module functions and methods (e.g. the router's and experts' fused helpers)
+        for owner in owners:
+            for attr, value in list(vars(owner).items()):
+                original = _compile_wrapped(value)
+                if original is not None:
+                    setattr(owner, attr, original)
+
+
+def compiled_functions() -> list[str]:
+    """megatron-core functions currently wrapped by torch.compile (what the shim above undoes)."""
+    import sys
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core.") and module is not None:
+            for owner in [module] + [
+                v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name
+            ]:
+                found += [
+                    f"{name}.{attr}"
+                    for attr, value in vars(owner).items()
+                    if _compile_wrapped(value) is not None
+                ]
+    return found
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -296,6 +346,16 @@ SHIMS: tuple[Shim, ...] = (
         "device-to-host copies; with no CUDA there is nothing to wait for",
         devices=("cpu",),
         patch=_patch_cuda_synchronize,
+    ),
+    Shim(
+        name="jit_fuser_without_inductor",
+        why="megatron-core sets jit_fuser = torch.compile at import and decorates its fused "
+        "kernels with it (fusions/fused_bias_swiglu.py: weighted_swiglu, bias_swiglu, ...), so "
+        "the MoE experts' weighted SwiGLU would be compiled by inductor, which torch_npu does "
+        "not target; megatron-core has no flag for it (0.16's disable_jit_fuser only affects "
+        "modules imported later), so npu runs the same functions eagerly",
+        devices=("npu",),
+        patch=_patch_jit_fuser_off,
     ),
     Shim(
         name="dist_ckpt_write_item_format",

@@ -177,6 +177,8 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
         rotary_base=int(spec.rope_theta),
     )
     tag_expert_replicas(model, groups)
+    if config.sequence_parallel:
+        mark_sequence_parallel_norms(model)
     if opts.device != "cpu":
         model = model.to(torch.device(opts.device, torch.accelerator.current_device_index()))
     return model
@@ -206,3 +208,20 @@ def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
                 param.allreduce = False
                 tagged += 1
     return tagged
+# norms over the hidden size, applied to the sequence shard each TP rank holds under sequence
+# parallelism (q/k norms are per head: grad finalisation recognises them by name)
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")
+
+
+def mark_sequence_parallel_norms(model: torch.nn.Module) -> None:
+    """Tag the hidden-size norms' weights `sequence_parallel`, whatever class built them.
+
+    Each TP rank computes their gradient from its own slice of the tokens, so it must be summed
+    over TP (backend.grads and megatron's finalize_model_grads do so for tagged parameters).
+    TE's norms and our CPU/GPU shim tag them; a device's own norm need not (MindSpeed replaces
+    megatron's on Ascend), and an untagged one lets TP ranks drift apart silently.
+    """
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in SEQUENCE_PARALLEL_NORMS:
+            for param in module.parameters():
+                param.sequence_parallel = True

@@ -20,11 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -110,7 +107,9 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
 
 def _write_metadata(root: Path, metadata: Metadata) -> None:
     """As torch's FileSystemWriter.finish does: version, storage meta, pickle, rename."""
-    metadata.version = CURRENT_DCP_VERSION
+    # torch 2.7 (the npu set's) has no DCP format version yet: its .metadata carries none
+    if hasattr(filesystem, "CURRENT_DCP_VERSION"):
+        metadata.version = filesystem.CURRENT_DCP_VERSION
     metadata.storage_meta = StorageMeta(checkpoint_id=root, save_id=uuid.uuid4().hex)
     # megatron-core 0.12 stores per-tensor extras here (used only for optimizer states)
     metadata.mcore_data = {k: {} for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}

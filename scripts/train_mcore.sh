@@ -7,6 +7,13 @@
 #       --ckpt-dir DIR [--ifname eth0] [--dry-run] [-- verl.override=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+# a cluster install (bootstrap.sh --target npu|cuda) recorded its Python in .stack; else the
+# cpu set in .venv
+if [[ -f .stack ]]; then
+    read -r _ PY < .stack
+else
+    bash scripts/bootstrap.sh
+    PY=.venv/bin/python
+fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
-exec .venv/bin/python -m recipes.dapo.launch "$@"
+exec "$PY" -m recipes.dapo.launch "$@"

@@ -47,13 +47,30 @@ def _pipeline_forward_backward(model, groups, ids, loss_fn):
     return logits
 
 
-def run_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1, fast: bool = False) -> dict:
+def _untagged_norms() -> None:
+    """Norms that accept sequence parallelism without tagging their weights, as a device's own
+    norm may (MindSpeed's on Ascend): build_model must tag them itself."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def run_plan(
+    rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1, fast: bool = False,
+    untagged_norms: bool = False,
+) -> dict:  # fmt: skip
     """Load the tiny HF model at this plan, run the global batch, return loss/logits/grads.
 
-    fast: our GroupedExperts + SDPAttention instead of megatron-core's local modules."""
+    fast: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
+    untagged_norms: norms as on Ascend, which the shim does not build (see _untagged_norms)."""
     from backend.device import prepare_device
 
     device = prepare_device("cpu")
+    if untagged_norms:
+        _untagged_norms()
     from backend.distributed import init_parallel
     from backend.forward import token_log_probs
     from backend.hf_config import load_qwen3_moe_spec

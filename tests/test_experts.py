@@ -10,6 +10,7 @@ from backend.hf_config import load_qwen3_moe_spec
 from backend.model import BuildOptions, build_model
 from converters.sharding import expanded_parameters
 from recipes.local.tiny_model import tiny_config
+from tests.torch_features import needs_grouped_mm
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -21,7 +22,7 @@ def _reference_grouped(x_TK, w_ENK, counts):
     return torch.cat([x @ w_ENK[e].t() for e, x in enumerate(x_TK.split(counts))])
 
 
-@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["loop", pytest.param("grouped_mm", marks=needs_grouped_mm)])
 def test_grouped_linear_matches_per_expert_matmuls(impl):
     gen = torch.Generator().manual_seed(0)
     counts = [3, 0, 5, 1]  # an expert without tokens still gets a (zero) weight gradient
@@ -38,7 +39,7 @@ def test_grouped_linear_matches_per_expert_matmuls(impl):
     assert torch.count_nonzero(w.grad[1]) == 0
 
 
-@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["loop", pytest.param("grouped_mm", marks=needs_grouped_mm)])
 def test_grouped_linear_without_tokens_gives_zero_weight_grads(impl):
     x = torch.zeros(0, 16, requires_grad=True)
     w = torch.randn(4, 24, 16, requires_grad=True)

@@ -11,6 +11,7 @@ from parallel.memory import DEVICE_MEMORY_GIB, MemoryOptions, estimate_memory
 from parallel.models import QWEN3_30B_A3B, load_spec
 from parallel.params import device_params, hf_param_counts, param_counts
 from parallel.plan import ParallelPlan, check_against_model
+from tests.torch_features import needs_cpu_flash_gqa
 
 QWEN = load_spec()
 
@@ -116,7 +117,11 @@ def test_devices_differ_only_in_capacity():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ours", [False, True], ids=["mcore-local", "grouped-sdpa"])
+@pytest.mark.parametrize(
+    "ours",
+    [False, pytest.param(True, marks=needs_cpu_flash_gqa)],
+    ids=["mcore-local", "grouped-sdpa"],
+)
 @pytest.mark.parametrize("tokens", [64, 256])
 def test_activation_estimate_matches_saved_tensors_of_tiny_model(world1, tokens, ours):
     from parallel.measure import check_tiny_activations

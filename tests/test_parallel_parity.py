@@ -38,12 +38,22 @@ def reference(world1, tiny_hf_dir):
     ids=["tp2", "tp2-etp2", "ep2", "pp2", "tp2xep2", "fast-tp2-etp2", "fast-ep2", "fast-tp2xep2"],
 )
 def test_plan_matches_world1(reference, tiny_hf_dir, world, tp, ep, pp, etp, fast):
-    ref_loss, ref_logits, ref_grads = reference
     if mcore_version() < Version("0.13") and (tp, ep, etp) == (2, 1, 1):
         with pytest.raises(AssertionError, match="cannot run tp=2 with ep=1 and etp=1"):
             run_ranks(run_plan, world, str(tiny_hf_dir), tp, ep, pp, etp)
         return
     results = run_ranks(run_plan, world, str(tiny_hf_dir), tp, ep, pp, etp, fast)
+    _matches(results, reference)
+
+
+def test_norms_built_without_tags_still_sum_over_tp(reference, tiny_hf_dir):
+    """Norms that do not tag their weights sequence_parallel (a device's own, as on Ascend):
+    build_model tags them, so their gradients still sum over TP and match world 1."""
+    _matches(run_ranks(run_plan, 2, str(tiny_hf_dir), 2, 1, 1, 2, True, True), reference)
+
+
+def _matches(results, reference):
+    ref_loss, ref_logits, ref_grads = reference
     last = [r for r in results if r["last_stage"]]
     by_dp = {r["dp_rank"]: r["logits"] for r in last}  # TP peers hold the same rows
     logits = torch.cat([by_dp[d] for d in sorted(by_dp)])

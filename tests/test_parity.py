@@ -12,6 +12,7 @@ from backend.model import BuildOptions, build_model
 from converters.hf_io import read_state_dict
 from converters.qwen3_moe import load_hf_into_model, mcore_to_hf, unfuse_experts
 from converters.sharding import expanded_parameters
+from tests.torch_features import needs_grouped_mm
 
 pytestmark = pytest.mark.mcore_compat
 ATOL = 1e-5
@@ -24,7 +25,10 @@ MODULES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(MODULES))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(m, marks=needs_grouped_mm) if "grouped_mm" in m else m for m in MODULES],
+)
 def mcore_model(request, world1, tiny_hf_dir):
     spec = load_qwen3_moe_spec(tiny_hf_dir)
     model = build_model(spec, world1, MODULES[request.param])

@@ -4,6 +4,7 @@ and misuse stops with one line before anything is started."""
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch
+from recipes.dapo import cluster, launch, stack
 
 REPO = Path(__file__).resolve().parents[1]
 A2_ENV = {
@@ -73,8 +74,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         "+reward.reward_kwargs",
     )
     env = {
-        "VERL_USE_EXTERNAL_MODULES": "recipes.dapo.engine",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
         **(A2_ENV if a2 else {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}),
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
@@ -117,7 +117,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.expert_model_parallel_size": "8",
         f"{engine}.expert_tensor_parallel_size": "1",
         f"{engine}.recompute": "true",
-        f"{engine}.param_offload": "true" if a2 else "false",
+        f"{engine}.param_offload": "true",
         f"{engine}.optimizer_offload": "true",
         f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001}",
         f"{engine}.monitor.enable": "true",
@@ -126,7 +126,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
         f"{rollout}.tensor_model_parallel_size": "2",
-        f"{rollout}.gpu_memory_utilization": "0.86" if a2 else "0.59",
+        f"{rollout}.gpu_memory_utilization": "0.81" if a2 else "0.82",
         f"{rollout}.n": "16",
         f"{rollout}.temperature": "1.0",
         f"{rollout}.top_p": "1.0",
@@ -282,13 +282,14 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     monkeypatch.setattr(cluster, "ray_executable", lambda: str(fake_ray))
     started = []
     monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
     assert launch.main(argv(files, "--device", "cuda")) == 2  # 16 GPUs < 32
     assert started == []
     fake_ray.write_text("#!/bin/sh\necho ' 0.0/32.0 GPU'\n")
     assert launch.main(argv(files, "--device", "cuda", "--", "trainer.total_epochs=1")) == 0
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[-1] == "trainer.total_epochs=1"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.dapo.engine"
+    assert "VERL_USE_EXTERNAL_MODULES" not in env
 
 
 def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_path, capsys):

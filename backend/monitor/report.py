@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +73,7 @@ def build_report(
         "steps": len(steps),
         "first_step": steps[0] if steps else None,
         "last_step": steps[-1] if steps else None,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **extra,
     }
     phases = {}

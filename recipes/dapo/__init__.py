@@ -2,7 +2,7 @@
 
 - engine.py: the verl engine (backend "mcore_ep", devices cuda / npu / cpu), registered with
   verl's EngineRegistry when imported; verl imports it in every worker through
-  `actor_rollout_ref.model.external_lib` (and VERL_USE_EXTERNAL_MODULES).
+  `actor_rollout_ref.model.external_lib`.
 - config.py: the verl config dataclasses of that engine (`_target_` of the actor section).
 - overrides.py + fit.py: the verl overrides for Qwen3-30B-A3B on 4x8 Ascend A2 and 4x8 H100,
   grouped by concern, offload decided by the memory model of `parallel/`.

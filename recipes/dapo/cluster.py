@@ -9,8 +9,6 @@ import sys
 import threading
 from pathlib import Path
 
-from recipes.dapo.overrides import ENGINE_MODULE
-
 REPO = Path(__file__).resolve().parents[2]
 # Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes),
 # the task-queue optimisation, vLLM's V1 engine (vllm-ascend)
@@ -30,8 +28,17 @@ class LaunchError(RuntimeError):
 
 
 def job_env(device: str, ifname: str | None) -> dict[str, str]:
-    """Environment of every process of the job (also passed to Ray workers)."""
-    env = {"VERL_USE_EXTERNAL_MODULES": ENGINE_MODULE, "PYTHONPATH": str(REPO)}
+    """Environment of every process of the job (also passed to Ray workers).
+
+    PYTHONPATH keeps what is set (CANN's set_env.sh puts its Python packages there) and adds the
+    repository. No VERL_USE_EXTERNAL_MODULES: it would import the engine (megatron-core and, on
+    Ascend, MindSpeed's global patches) in every reward, agent-loop and vLLM process;
+    `actor_rollout_ref.model.external_lib` loads it in the workers that build the actor.
+    """
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO) not in pythonpath:
+        pythonpath.append(str(REPO))
+    env = {"PYTHONPATH": os.pathsep.join(pythonpath)}
     if device == "npu":
         env.update(A2_ENV)
     if ifname:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from recipes.dapo import cluster, data, overrides
+from recipes.dapo import cluster, data, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
@@ -305,6 +305,7 @@ def run(args, extra: list[str]) -> int:
     print(resolved.describe())
     if args.dry_run:
         return 0
+    stack.check_installed(device)  # the target's package set, before Ray or any model work
     if device == "npu":
         cluster.raise_open_files()
     cluster.check_ray(device, resolved.run.plan.world)
