@@ -4,6 +4,9 @@ One writer per output: `.NAME.lock` beside the target is held (flock) from the f
 the rename, so a second conversion into the same place is refused in one line. Temp dirs are
 named `.NAME.tmp-<pid>-<random>`: a run killed without cleanup (SIGKILL, power loss) leaves
 one, and the next run into the same place removes it once process <pid> is gone.
+
+Also the monitor's output directories (backend.monitor.outdir): they pass their own check of
+the target and their own error type.
 """
 
 import fcntl
@@ -11,7 +14,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,11 +73,11 @@ def remove_stale_temps(target: Path) -> list[Path]:
 
 
 @contextmanager
-def output_lock(target: Path) -> Iterator[None]:
+def output_lock(target: Path, error: type[Exception] = ConversionError) -> Iterator[None]:
     """Exclusive lock on writing `target`: a `.NAME.lock` file beside it, flock'ed, holding
-    the owner's pid, removed on release."""
+    the owner's pid, removed on release. A second writer gets `error`."""
     lock = target.parent / f".{target.name}.lock"
-    fd = _take_lock(lock, target)
+    fd = _take_lock(lock, target, error)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -84,7 +87,7 @@ def output_lock(target: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _take_lock(lock: Path, target: Path) -> int:
+def _take_lock(lock: Path, target: Path, error: type[Exception]) -> int:
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -92,8 +95,10 @@ def _take_lock(lock: Path, target: Path) -> int:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise ConversionError(f"{target} is being written by another process (pid {owner}, lock {lock}): "
-                                  "wait for it to finish or choose another output") from None
+            raise error(
+                f"{target} is being written by another process (pid {owner}, lock {lock}): "
+                "wait for it to finish or choose another output"
+            ) from None
         try:  # locked: but is it still the file at that path (not one its owner just removed)?
             if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 return fd
@@ -107,17 +112,23 @@ def _temp_name(target: Path, kind: str) -> Path:
 
 
 @contextmanager
-def atomic_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    target: str | Path,
+    force: bool = False,
+    check: Callable[[Path, bool], None] = check_target,
+    error: type[Exception] = ConversionError,
+) -> Iterator[Path]:
     """Yield a temp dir beside `target`; on success it replaces `target`, on error it is removed.
 
     The rename is atomic on one filesystem, so a reader sees the old output or the new one,
     never a half-written checkpoint. Held under `output_lock` throughout; leftovers of killed
-    runs into the same place are removed first.
+    runs into the same place are removed first. `check(target, force)` refuses a target
+    before and again under the lock; `error` is what a second writer gets.
     """
     target = Path(target).absolute()
-    check_target(target, force)
-    with output_lock(target):
-        check_target(target, force)  # again, now that no other writer can be between
+    check(target, force)
+    with output_lock(target, error):
+        check(target, force)  # again, now that no other writer can be between
         remove_stale_temps(target)
         with _swap_in(target) as tmp:
             yield tmp

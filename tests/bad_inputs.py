@@ -3,13 +3,15 @@
 (`.venv/bin/python -m tests.bad_inputs > docs/bad_inputs.md`; a test checks it is current).
 
 Each row: the CLI, what is wrong, how the input is made (`setup(ctx)` returns the argv), the
-exit code, and the one line printed (stderr; stdout for a finding, exit 1), with the paths
+exit code, and the one line printed (stderr; stdout for a finding, exit 1, or for a leftover
+that a successful run removes, exit 0), with the paths
 of the run written as {tmp} (the row's scratch dir), {hf} (the tiny HF model), {mcore} (its
 dist checkpoint, made by hf-to-mcore) and {pid} (this process).
 """
 
 import json
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,14 +86,29 @@ def _v1_manifest(ctx: Ctx) -> Path:
     return ckpt
 
 
-def _locked(ctx: Ctx) -> list:
-    """A writer (this process) holds {tmp}/out while the CLI tries to write it."""
+def _hold_lock(ctx: Ctx, argv: list) -> list:
+    """A writer (this process) holds {tmp}/out while the CLI (argv) tries to write it."""
     from converters.atomic import output_lock
 
     lock = output_lock((ctx.tmp / "out").absolute())
     lock.__enter__()
     ctx.release = lambda: lock.__exit__(None, None, None)
-    return ["hf-to-mcore", ctx.hf, ctx.tmp / "out", "--force"]
+    return argv
+
+
+def _locked(ctx: Ctx) -> list:
+    return _hold_lock(ctx, ["hf-to-mcore", ctx.hf, ctx.tmp / "out", "--force"])
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped): no process has it now."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
 
 
 CONVERTERS = [
@@ -481,6 +498,14 @@ def _rendered(ctx: Ctx) -> list:
     return ["render", report, "-o", ctx.tmp / "html"]
 
 
+def _left_by_killed_render(ctx: Ctx) -> list:
+    """A render into {tmp}/html killed by SIGKILL left its temp dir; its process is gone."""
+    stale = ctx.tmp / f".html.tmp-{dead_pid()}-0badc0de"
+    stale.mkdir()
+    (stale / "index.html").write_text("half")
+    return ["render", _report(ctx), "-o", ctx.tmp / "html"]
+
+
 MONITOR = [
     Case(
         "monitor",
@@ -531,6 +556,22 @@ MONITOR = [
     ),
     Case(
         "monitor",
+        "a second render into an output another process is writing",
+        lambda c: _hold_lock(c, ["render", _report(c), "-o", c.tmp / "out", "--force"]),
+        2,
+        "error: {tmp}/out is being written by another process (pid {pid}, lock {tmp}/.out.lock): "
+        "wait for it to finish or choose another output",
+    ),
+    Case(
+        "monitor",
+        "temp dir left by a killed render (its pid gone): removed by the next render (it succeeds)",
+        _left_by_killed_render,
+        0,
+        "wrote {tmp}/html/index.html",
+        stream="out",
+    ),
+    Case(
+        "monitor",
         "output is a file",
         lambda c: ["render", _report(c), "-o", _report(c, "b.json")],
         2,
@@ -571,7 +612,8 @@ CASES = CONVERTERS + PLANNER + MONITOR
 HEADER = """# Bad inputs tried per CLI
 
 Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the
-exit code and the one line printed (on stderr; on stdout for the findings, exit 1). Paths:
+exit code and the one line printed (on stderr; on stdout for the findings, exit 1, and for a
+leftover a run cleans up, exit 0). Paths:
 `{tmp}` the run's scratch dir, `{hf}` a tiny HF model, `{mcore}` its dist checkpoint; `{...}`
 elsewhere stands for a detail of the run (a byte range, the library's own wording).
 Exit codes: `backend/cli_contract.py`.

@@ -62,6 +62,43 @@ def test_render_writes_html_and_images(tmp_path, capsys):
     assert _cli(capsys, "render", report, "-o", out, "--force")[0] == 0  # replaces its own dir
 
 
+def test_outputs_one_writer_and_dead_runs_temp_dirs_removed(tmp_path, capsys):
+    """render and compare share converters.atomic's lock and pid-named temp dirs."""
+    import os
+
+    from backend.monitor.compare import Side, Thresholds, compare
+    from backend.monitor.compare_render import render_compare
+    from backend.monitor.render import render
+    from backend.monitor.report import ReportError
+    from converters.atomic import output_lock
+    from tests.bad_inputs import dead_pid
+
+    a = _write(tmp_path / "a.json", [BALANCED_LE, _collapsed_LE(2)])
+    stale = tmp_path / f".cmp.tmp-{dead_pid()}-0badc0de"  # a compare killed by SIGKILL
+    (stale / "sub").mkdir(parents=True)
+    live = tmp_path / f".cmp.tmp-{os.getppid()}-feedf00d"  # our parent's: alive, kept
+    live.mkdir()
+    code, _, err = _cli(capsys, "compare", a, a, "-o", tmp_path / "cmp")
+    assert code == 0, err
+    assert not stale.exists() and live.is_dir() and (tmp_path / "cmp" / "compare.json").is_file()
+    live.rmdir()
+
+    with output_lock((tmp_path / "cmp").absolute()):  # another writer holds it
+        code, out, err = _cli(capsys, "compare", a, a, "-o", tmp_path / "cmp", "--force")
+        refused = (
+            f"error: {tmp_path}/cmp is being written by another process (pid {os.getpid()}, "
+            f"lock {tmp_path}/.cmp.lock): wait for it to finish or choose another output\n"
+        )
+        assert code == 2 and out == "" and err == refused
+        with pytest.raises(ReportError, match="is being written by another process"):
+            render(load_report(a), tmp_path / "cmp")  # the code path, force=True by default
+    side = Side("a", BALANCED_LE, 2)
+    render_compare(compare(side, side, Thresholds()), side, side, tmp_path / "cmp")  # replaces
+    render(load_report(a), tmp_path / "html")
+    render(load_report(a), tmp_path / "html")  # code callers re-render their own dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "cmp", "html"]
+
+
 def test_compare_identical_is_quiet(tmp_path, capsys):
     a = _write(tmp_path / "a.json", [BALANCED_LE, _collapsed_LE(2)])
     b = _write(tmp_path / "b.json", [BALANCED_LE, _collapsed_LE(2)])

@@ -1,13 +1,14 @@
-"""Write a directory of outputs atomically: build it beside the target, then rename it in."""
+"""Write a directory of outputs atomically, one writer at a time: converters.atomic's mechanism
+(built in `.NAME.tmp-<pid>-*` beside the target, renamed in under the `.NAME.lock` flock;
+leftovers of killed runs are removed by the next run once their process is gone)."""
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from backend.monitor.report import ReportError
+from converters import atomic
 
 MARKER = ".routing-balance-output"  # lets a later render replace only our own directories
 
@@ -27,20 +28,14 @@ def _check_replaceable(out: Path, force: bool) -> None:
 @contextmanager
 def atomic_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
     """Yield a temp directory to fill; on success it replaces `out` (readers never see a half);
-    an existing output of ours only with `force`."""
+    an existing output of ours only with `force`; a second writer into `out` is refused."""
     out = Path(out)
-    _check_replaceable(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def check(_absolute: Path, force: bool) -> None:  # before and under the lock
+        _check_replaceable(out, force)  # messages name the path as given
+
+    out.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there
+    with atomic.atomic_dir(out, force, check=check, error=ReportError) as tmp:
         yield tmp
         (tmp / MARKER).write_text("")
         os.chmod(tmp, 0o755)
-        old = tmp.with_name(tmp.name + ".old")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
