@@ -59,7 +59,8 @@ def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
 def test_dynamic_sampling_evicts_groups_without_variance(run3):
     rows = history(run3[0])
     # the random policy answers most prompts wrong n times out of n: those groups must go
-    assert sum(row["training/filter_groups/evicted_samples"] for row in rows.values()) > 0
+    # (verl logs the count only for steps that evicted something)
+    assert sum(row.get("training/filter_groups/evicted_samples", 0) for row in rows.values()) > 0
     assert all(row["critic/advantages/max"] > 0 for row in rows.values())
 
 
