@@ -142,8 +142,14 @@ class McoreOptimizer:
             # megatron-core >= 0.14: every rank writes its own buckets, no gather (reshards
             # over DP); its default (fully_sharded_model_space) is deprecated there
             kwargs = dict(metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-        else:  # 0.12.1: its default, every rank writes its own shards of each parameter
-            kwargs = dict(sharding_type="fully_sharded_model_space")
+        else:
+            # 0.12.1: each DP group's state gathered on its first rank (host memory: that
+            # rank holds its (tp, ep) slice's whole optimizer state while saving). Its default
+            # (fully_sharded_model_space) maps each optimizer shard to a model parameter's
+            # ShardedTensor, which GroupedExperts' stacked weights lack (they are saved as
+            # SequentialMLP's per-expert tensors); its bucket space trips on torch Adam's
+            # scalar `step`
+            kwargs = dict(sharding_type="dp_zero_gather_scatter")
         model_state = self.module.sharded_state_dict()
         return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, **kwargs)
 
