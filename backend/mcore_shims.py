@@ -17,8 +17,8 @@ Measured on megatron-core 0.12.1 and 0.16.1 with torch 2.13 (CPU).
 
 import functools
 import importlib
-import types
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 

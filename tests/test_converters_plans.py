@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from converters.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from converters.manifest import write_manifest
 from converters.hf_io import read_state_dict
+from converters.manifest import write_manifest
 from tests.multiproc import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore_compat]
