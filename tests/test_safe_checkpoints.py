@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.state_io import StateError, load_state, save_state
 from converters import atomic
 from converters.cli import main as converters_main
 from converters.errors import ConversionError
@@ -178,67 +177,7 @@ def test_cli_refuses_a_crafted_checkpoint_in_one_line(megatron_save, tmp_path, t
     assert not victim.exists() and not (tmp_path / "out").exists()
 
 
-# ---- per-rank state as tensors + JSON ----------------------------------------------------
-
-
-def test_state_round_trips_exactly(tmp_path):
-    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    state = {
-        "state": {
-            0: {"exp_avg": base.t(), "exp_avg_sq": base[1:], "step": torch.tensor(7)},
-            1: {"exp_avg": torch.zeros(0, 5, dtype=torch.bfloat16)},
-        },
-        "param_groups": [
-            {
-                "lr": 1e-3,
-                "betas": (0.9, 0.95),
-                "eps": float("inf"),
-                "params": [0, 1],
-                "name": None,
-                "amsgrad": False,
-            }
-        ],
-        "nan": float("nan"),
-        "7": "str key, not int",
-    }
-    save_state(state, tmp_path / "rank_00000")
-    back = load_state(tmp_path / "rank_00000")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "rank_00000.json",
-        "rank_00000.safetensors",
-    ]
-    assert back["state"][0]["exp_avg"].equal(base.t()) and back["state"][0]["exp_avg_sq"].equal(
-        base[1:]
-    )
-    assert back["state"][1]["exp_avg"].dtype == torch.bfloat16 and back["state"][1][
-        "exp_avg"
-    ].shape == (0, 5)
-    assert back["param_groups"][0]["betas"] == (0.9, 0.95) and back["param_groups"][0][
-        "eps"
-    ] == float("inf")
-    assert (
-        list(back) == list(state)
-        and list(back["state"]) == [0, 1]
-        and back["7"] == "str key, not int"
-    )
-    assert back["nan"] != back["nan"] and back["param_groups"][0]["amsgrad"] is False
-
-
-def test_state_refuses_what_is_not_data_and_damaged_files(tmp_path):
-    with pytest.raises(StateError, match=r"state\['rng'\] is a Generator: only tensors"):
-        save_state({"rng": torch.Generator()}, tmp_path / "s")
-    save_state({"x": torch.ones(2)}, tmp_path / "s")
-    (tmp_path / "s.json").write_text(
-        '{"version": 1, "state": {"__dict__": [["x", {"__tensor__": "t9"}]]}}'
-    )
-    with pytest.raises(StateError, match=r"s.json is damaged \(KeyError"):
-        load_state(tmp_path / "s")
-    (tmp_path / "s.safetensors").write_bytes(b"\x00" * 7)
-    with pytest.raises(StateError, match="s.safetensors is unreadable"):
-        load_state(tmp_path / "s")
-
-
-# ---- outputs: one writer, dead runs' temp dirs removed ------------------------------------
+# ---- outputs: one writer, dead runs' temp dirs ---------------------------------------------
 
 
 def test_a_second_writer_is_refused_while_the_first_holds_the_output(tmp_path):
