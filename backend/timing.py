@@ -4,24 +4,28 @@ StepTimer (one per actor process):
 
     timer = StepTimer(device)                    # "cpu", "cuda", "npu" or a torch.device
     dispatch = MoEDispatchTimer(model, timer)    # optional: MoE dispatch/combine inside compute
+    with timer.between_steps("weight_sync"): ... # outside a step: counts in the next one
     timer.step_begin()
-    with timer.section("onload"): ...
     with timer.section("forward_backward"): ...  # every micro-batch's forward + backward
     with timer.section("grad_reduce"): ...       # DP / EDP gradient reduction (finalize grads)
     with timer.section("optimizer"): ...
-    with timer.section("offload"): ...
-    with timer.section("weight_sync"): ...       # actor -> rollout weights
     metrics.update(timer.step_end())             # timing/* of this step
     dispatch.remove()                            # when done: the dispatchers are as built
 
 Sections nest: a section's time excludes the sections opened inside it, so the parts add up
 to the covered time; `timing/other_s` is what no section covered (step_s minus the parts).
+Work outside the step's span (weight sync, offload / onload, the old-log-prob pass: between two
+optimizer steps, while the actor also waits for the rollout) is timed with `between_steps`
+(or `timed_items` for a generator): each such section is its own window, and the next
+step_end adds its time to the step's parts and to timing/step_s. So step_s is the actor's busy
+time for this step (its own span plus those windows), never its idle time in between.
 Metrics, seconds: timing/<section>_s for every section that ran, timing/step_s, timing/other_s,
-and timing/comm_share = (moe_dispatch + moe_combine + grad_reduce + weight_sync) / step.
+and timing/comm_share (see `comm_share` for exactly what counts).
 
 Clocks: time.perf_counter on CPU; device events (torch.<device>.Event(enable_timing=True),
 recorded on the current stream) on accelerators, resolved at step_end, which waits for the
 step's last event: host-side timestamps would measure kernel launches, not execution.
+Windows between steps are resolved then too (or once MAX_WINDOWS are pending, with a wait).
 
 MoE dispatch/combine (MoEDispatchTimer) is timed inside megatron-core's token dispatcher by
 wrapping two bound methods of each dispatcher instance (instance attributes shadowing the
@@ -36,7 +40,7 @@ work the engine runs in between).
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,8 +55,10 @@ SECTIONS = (
     "weight_sync",  # actor weights to the rollout engine
     "offload",  # params / grads / optimizer state to host
     "onload",  # and back
+    "old_log_prob",  # forward-only pass of the rollout's sequences (before the update)
 )
 COMM_SECTIONS = ("moe_dispatch", "moe_combine", "grad_reduce", "weight_sync")
+MAX_WINDOWS = 1024  # between-step windows kept unresolved (device events) before a wait
 COMM_SHARE_WARN = 0.30  # above it, communication is the first thing to fix
 # On by default only where its cost is within 1% of a step, measured on the tiny model on CPU
 # (scripts/bench/timing_overhead.py; figures in the README): StepTimer's sections are, the
@@ -60,6 +66,7 @@ COMM_SHARE_WARN = 0.30  # above it, communication is the first thing to fix
 TIMING_DEFAULT = True
 DISPATCH_TIMING_DEFAULT = False
 PREFIX = "timing"
+_DONE = object()  # timed_items: the iterator is exhausted
 
 
 class _HostClock:
@@ -117,20 +124,29 @@ class StepTimer:
         # clock: mark() / seconds(start, end) / wait(mark); default from the device
         self.clock = clock or make_clock(device)
         self.enabled, self.sections = enabled, tuple(sections)
-        self._intervals: list[_Interval] = []
+        self._intervals: list[_Interval] = []  # between-step windows' sections, then the step's
         self._open: list[int] = []  # indices of open intervals, innermost last
         self._step_start = None
+        self._step_first = 0  # index of the step's first interval
+        self._window_start = None  # an open between-step window
+        self._windows: list[tuple[object, object]] = []  # closed windows since the last step
+        self._resolved: dict[str, float] = {}  # windows already resolved: seconds by section
+        self._resolved_s = 0.0  # and their length
+        self.steps = 0  # steps ended so far
+        self.last_sections: list[str] = []  # the last step's sections, in the order they opened
         self.totals: dict[str, float] = {}  # seconds summed over every step so far, by metric
 
     def step_begin(self) -> None:
         if self._open:
             raise RuntimeError(f"sections still open: {self._open_names()}: close them first")
-        self._intervals.clear()
+        if self._step_start is not None:  # the previous step never ended: drop its sections
+            del self._intervals[self._step_first :]
+        self._step_first = len(self._intervals)
         self._step_start = self.clock.mark() if self.enabled else None
 
     def start(self, name: str) -> None:
         """Open section `name` (for callbacks; prefer `with section(name)`)."""
-        if not self.enabled or self._step_start is None:
+        if not self.enabled or (self._step_start is None and self._window_start is None):
             return
         if name not in self.sections:
             raise ValueError(f"unknown section {name!r}: one of {self.sections}")
@@ -140,7 +156,7 @@ class StepTimer:
 
     def stop(self, name: str, strict: bool = True) -> None:
         """Close the innermost open section `name` (strict=False: ignore it if none is open)."""
-        if not self.enabled or self._step_start is None:
+        if not self.enabled or (self._step_start is None and self._window_start is None):
             return
         for depth in range(len(self._open) - 1, -1, -1):
             interval = self._intervals[self._open[depth]]
@@ -159,6 +175,35 @@ class StepTimer:
         finally:
             self.stop(name)
 
+    @contextmanager
+    def between_steps(self, name: str) -> Iterator[None]:
+        """Section `name` outside a step, counted in the next step_end (its part and step_s).
+
+        Inside a step or another window it is an ordinary section."""
+        if not self.enabled or self._step_start is not None or self._window_start is not None:
+            with self.section(name):
+                yield
+            return
+        self._window_start = self.clock.mark()
+        try:
+            with self.section(name):
+                yield
+        finally:
+            self._windows.append((self._window_start, self.clock.mark()))
+            self._window_start = None
+            if len(self._windows) >= MAX_WINDOWS:
+                self._resolve_windows()
+
+    def timed_items(self, name: str, items: Iterable) -> Iterator:
+        """Yield from `items`, timing only the production of each item (`between_steps`)."""
+        iterator = iter(items)
+        while True:
+            with self.between_steps(name):
+                item = next(iterator, _DONE)
+            if item is _DONE:
+                return
+            yield item
+
     def step_end(self) -> dict[str, float]:
         """This step's timing/* metrics (waits for the step's last device event)."""
         if not self.enabled or self._step_start is None:
@@ -171,10 +216,14 @@ class StepTimer:
             self._intervals[index].end = end
         self._open.clear()
         self.clock.wait(end)
-        metrics = self._metrics(self.clock.seconds(self._step_start, end))
+        step_s = self.clock.seconds(self._step_start, end) + self._windows_seconds()
+        metrics = self._metrics(step_s)
         if unclosed:
             metrics[f"{PREFIX}/unclosed_sections"] = float(unclosed)
         self._step_start = None
+        self.last_sections = [i.name for i in self._intervals]
+        self._clear()
+        self.steps += 1
         for key, value in metrics.items():
             if key.endswith("_s"):  # seconds add up over steps; shares do not
                 self.totals[key] = self.totals.get(key, 0.0) + value
@@ -187,15 +236,36 @@ class StepTimer:
     def _open_names(self) -> list[str]:
         return [self._intervals[i].name for i in self._open]
 
-    def _metrics(self, step_s: float) -> dict[str, float]:
+    def _windows_seconds(self) -> float:
+        windows = sum(self.clock.seconds(start, end) for start, end in self._windows)
+        return self._resolved_s + windows
+
+    def _resolve_windows(self) -> None:
+        """Fold the closed windows into seconds (outside a step: all intervals are theirs)."""
+        self.clock.wait(self._windows[-1][1])
+        self._resolved_s, self._resolved = self._windows_seconds(), self._own_seconds()
+        self._intervals.clear()
+        self._windows.clear()
+
+    def _clear(self) -> None:
+        self._intervals.clear()
+        self._windows.clear()
+        self._resolved, self._resolved_s, self._step_first = {}, 0.0, 0
+
+    def _own_seconds(self) -> dict[str, float]:
+        """Seconds by section name, each interval less the intervals opened inside it."""
         durations = [self.clock.seconds(i.start, i.end) for i in self._intervals]
         own = list(durations)
         for interval, duration in zip(self._intervals, durations, strict=True):
             if interval.parent is not None:
                 own[interval.parent] -= duration
-        parts: dict[str, float] = {}
+        parts = dict(self._resolved)
         for interval, seconds in zip(self._intervals, own, strict=True):
             parts[interval.name] = parts.get(interval.name, 0.0) + seconds
+        return parts
+
+    def _metrics(self, step_s: float) -> dict[str, float]:
+        parts = self._own_seconds()
         metrics = {f"{PREFIX}/{name}_s": seconds for name, seconds in parts.items()}
         metrics[f"{PREFIX}/step_s"] = step_s
         metrics[f"{PREFIX}/other_s"] = step_s - sum(parts.values())
@@ -204,7 +274,20 @@ class StepTimer:
 
 
 def comm_share(metrics: dict[str, float]) -> float:
-    """(dispatch + combine + grad reduction + weight sync) / step time, from timing/* seconds."""
+    """(moe_dispatch + moe_combine + grad_reduce + weight_sync) / step_s, from timing/* seconds.
+
+    What counts (COMM_SECTIONS), as the mcore_ep engine times them:
+    - grad_reduce: megatron-core's finalize_model_grads (DDP's DP / expert-DP reduce-scatter,
+      the TP all-reduce of layer-norm and q/k-norm grads);
+    - moe_dispatch / moe_combine: only with the dispatch instrument on (`timing_dispatch`);
+      on megatron-core 0.12.1 they include the local token permutation;
+    - weight_sync: producing every HF tensor for the rollout, whole: the TP / EP gathers are
+      interleaved with the local renaming and splitting per tensor (at world size 1 it is all
+      local work).
+    What does not: the distributed optimizer's parameter all-gather and grad-norm all-reduce
+    (inside `optimizer`), the tensor-parallel all-reduces inside forward / backward, the DP
+    token count of the loss (inside `forward_backward` / `old_log_prob`), offload / onload
+    (host <-> device copies)."""
     step = metrics.get(f"{PREFIX}/step_s", 0.0)
     comm = sum(metrics.get(f"{PREFIX}/{name}_s", 0.0) for name in COMM_SECTIONS)
     return comm / step if step > 0 else 0.0
@@ -229,6 +312,18 @@ def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = 
         "inside a node, overlap grad reduction)"
     )
     return RunWarning("comm_share", step, text, {"comm_share": share, "threshold": threshold})
+
+
+def max_over_ranks(metrics: dict[str, float], device, group=None) -> dict[str, float]:
+    """Every value's maximum over the ranks of `group` (the slowest rank's seconds, the highest
+    share; float32 on the wire, as every backend reduces it). Collective: every rank calls it
+    with the same keys."""
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(keys, values.tolist(), strict=True))
 
 
 # ---- MoE dispatch / combine inside megatron-core's token dispatcher ----------------------

@@ -125,7 +125,7 @@ def test_dispatch_and_combine_timed_forward_and_backward_and_parts_add_up(world1
     _train_step(model, optimizer, ids, timer)
     metrics = timer.step_end()
     wall = time.perf_counter() - start
-    names = [i.name for i in timer._intervals]
+    names = timer.last_sections
     # forward and backward of each layer's dispatch and combine
     assert names.count("moe_dispatch") == names.count("moe_combine") == 2 * spec.num_layers
     assert metrics["timing/moe_dispatch_s"] > 0 and metrics["timing/moe_combine_s"] > 0
@@ -142,3 +142,111 @@ def test_dispatch_and_combine_timed_forward_and_backward_and_parts_add_up(world1
     assert "timing/moe_dispatch_s" not in timer.step_end()
     dispatcher = model.decoder.layers[0].mlp.token_dispatcher
     assert not {"token_dispatch", "token_combine", "token_permutation"} & set(vars(dispatcher))
+
+
+def test_work_between_steps_counts_in_the_next_step():
+    clock = ManualClock()
+    timer = StepTimer(clock=clock)
+
+    def tensors():
+        for _ in range(3):
+            clock.now += 0.5  # producing a tensor: timed
+            yield "tensor"
+
+    for _ in timer.timed_items("weight_sync", tensors()):
+        clock.now += 10.0  # the consumer's time (and idle time): not counted
+    with timer.between_steps("onload"):
+        clock.now += 1.0
+        with timer.between_steps("old_log_prob"):  # inside a window: an ordinary section
+            clock.now += 2.0
+    clock.now += 100.0  # waiting for the rollout
+    timer.step_begin()
+    with timer.section("forward_backward"):
+        clock.now += 4.0
+    metrics = timer.step_end()
+    assert metrics == {
+        "timing/weight_sync_s": 1.5,
+        "timing/onload_s": 1.0,
+        "timing/old_log_prob_s": 2.0,
+        "timing/forward_backward_s": 4.0,
+        "timing/step_s": 8.5,
+        "timing/other_s": 0.0,
+        "timing/comm_share": 1.5 / 8.5,
+    }
+    timer.step_begin()
+    clock.now += 1.0
+    assert timer.step_end()["timing/step_s"] == 1.0  # the windows went with the last step
+
+
+def test_many_windows_are_resolved_and_an_abandoned_step_is_dropped(monkeypatch):
+    import backend.timing
+
+    monkeypatch.setattr(backend.timing, "MAX_WINDOWS", 4)
+    clock = ManualClock()
+    timer = StepTimer(clock=clock)
+    for _ in range(10):
+        with timer.between_steps("offload"):
+            clock.now += 0.25
+    assert len(timer._intervals) < 4  # resolved into seconds every 4 windows
+    timer.step_begin()
+    with timer.section("optimizer"):
+        clock.now += 7.0  # this step fails before step_end
+    timer.step_begin()
+    with timer.section("optimizer"):
+        clock.now += 1.0
+    metrics = timer.step_end()
+    assert metrics["timing/offload_s"] == 2.5 and metrics["timing/optimizer_s"] == 1.0
+    assert metrics["timing/step_s"] == 3.5 and timer.steps == 1
+
+
+def _max_rank(rank: int) -> dict:
+    import torch.distributed as dist
+
+    from backend.timing import max_over_ranks
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        return max_over_ranks(
+            {"timing/step_s": 1.0 + rank, "timing/optimizer_s": 3.0 - rank}, "cpu"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_max_over_ranks_gives_every_rank_the_slowest_values():
+    from tests.multiproc import run_ranks
+
+    expected = {"timing/optimizer_s": 3.0, "timing/step_s": 2.0}
+    assert run_ranks(_max_rank, 2) == [expected, expected]
+
+
+def _history(shares: list[float]) -> list[dict]:
+    """verl's metric rows as recipes.local.run reads them, with the actor's timing/*."""
+    return [
+        {
+            "step": step,
+            "timing_s/step": 2.0,
+            "actor/timing/step_s": 1.0,
+            "actor/timing/grad_reduce_s": share,
+            "actor/timing/forward_backward_s": 1.0 - share,
+            "actor/timing/comm_share": share,
+        }
+        for step, share in enumerate(shares, start=1)
+    ]
+
+
+@pytest.mark.parametrize("shares, warns", [([0.2, 0.3], False), ([0.3, 0.5], True)])
+def test_run_summary_warns_when_the_mean_comm_share_is_over_30_percent(
+    shares, warns, tmp_path, capsys
+):
+    from recipes.local.summary import print_summary, write_summary
+
+    summary = write_summary(tmp_path, _history(shares), 0.9, {}, wall_s=9.0, startup_s=1.0)
+    print_summary(summary)
+    out = capsys.readouterr().out
+    mean = sum(shares) / len(shares)
+    assert summary["comm_share_mean"] == pytest.approx(mean)
+    assert f"communication: {mean:.1%} of the actor's step time" in out
+    assert (summary["comm_share_warning"] is not None) == warns
+    assert ("WARNING [comm_share] step 2: communication takes 40%" in out) == warns
+    assert write_summary(tmp_path, [{"step": 1}], 0.9, {}, 1.0, 0.0).get("comm_share_mean") is None
