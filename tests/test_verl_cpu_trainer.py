@@ -68,6 +68,7 @@ def test_monitor_and_aux_loss_act_inside_verls_update(run3):
     row = history(run3[0])[3]
     assert row["actor/moe/aux_loss/applied"] == 1.0
     assert row["actor/moe/update/tokens"] > 0 and row["actor/moe/old_log_prob/tokens"] > 0
+    assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
     report = json.loads((run3[0] / "routing_report.json").read_text())
     assert report["steps"], "the routing report holds the run's steps"
 

@@ -6,6 +6,7 @@ verl's own (workers.utils.losses.ppo_loss with DAPO's clip-higher settings), and
 number is checked against transformers' Qwen3MoeForCausalLM on the same weights.
 """
 
+import time
 from functools import partial
 
 import pytest
@@ -333,9 +334,7 @@ def test_micro_batches_respect_the_padded_token_budget():
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "crafted .metadata", "no manifest"])
-def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(
-    damage, make_engine, tmp_path
-):
+def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make_engine, tmp_path):
     """Resume reads nothing megatron would unpickle before the manifest and allow-list pass."""
     from converters.hf_io import CheckpointError
     from tests.test_safe_checkpoints import _call
@@ -371,3 +370,62 @@ def test_monitor_guards_the_plans_assumed_ep_skew(make_engine):
     engine = make_engine(monitor={"enable": True, "log_dir": None, "assumed_ep_skew": 1.5})
     guard = engine.routing.monitor.skew_guard
     assert guard.assumed_skew == 1.5 and guard.every_n_steps == 50
+
+
+BETWEEN_STEPS = ("weight_sync", "offload", "onload", "old_log_prob")
+IN_STEP = ("forward_backward", "grad_reduce", "optimizer")
+
+
+def test_train_batch_times_its_parts_and_the_work_since_the_last_step(make_engine):
+    engine, data = make_engine(), make_batch(seeds=(0, 1))
+    engine.offload()
+    engine.onload()
+    _on_policy(engine, data)  # the old-log-prob pass
+    assert len(dict(engine.get_per_tensor_param()[0])) > 0  # the weight sync
+    loss_fn = partial(ppo_loss, config=dapo_actor_config())
+    with engine.train_mode(disable_auto_offload=True):
+        start = time.perf_counter()
+        out = engine.train_batch(data, loss_function=loss_fn)
+        wall = time.perf_counter() - start
+    timing = {k: v[0] for k, v in out["metrics"].items() if k.startswith("timing/")}
+    assert {f"timing/{s}_s" for s in BETWEEN_STEPS + IN_STEP} | {
+        "timing/step_s",
+        "timing/other_s",
+        "timing/comm_share",
+    } == timing.keys()
+    assert all(timing[f"timing/{s}_s"] > 0 for s in BETWEEN_STEPS + IN_STEP)
+    inside = sum(timing[f"timing/{s}_s"] for s in IN_STEP)
+    between = sum(timing[f"timing/{s}_s"] for s in BETWEEN_STEPS)
+    assert inside == pytest.approx(wall, rel=0.05)  # the parts add up to the measured step
+    assert timing["timing/step_s"] == pytest.approx(wall + between, rel=0.05)
+    comm = timing["timing/grad_reduce_s"] + timing["timing/weight_sync_s"]
+    assert timing["timing/comm_share"] == pytest.approx(comm / timing["timing/step_s"])
+    assert 0 <= timing["timing/comm_share"] <= 1
+    with engine.train_mode(disable_auto_offload=True):
+        again = engine.train_batch(data, loss_function=loss_fn)["metrics"]
+    assert again["timing/old_log_prob_s"] == [0.0]  # the work between steps went with step 1
+
+
+def test_timing_off_and_dispatch_timing_on(make_engine):
+    data = make_batch()
+    _on_policy(off := make_engine(timing=False), data)
+    loss_fn = partial(ppo_loss, config=dapo_actor_config())
+    with off.train_mode():
+        assert not any(k.startswith("timing/") for k in off.train_batch(data, loss_fn)["metrics"])
+    engine = make_engine(timing_dispatch=True)
+    with engine.train_mode():
+        metrics = engine.train_batch(data, loss_fn)["metrics"]
+    assert metrics["timing/moe_dispatch_s"][0] > 0 and metrics["timing/moe_combine_s"][0] > 0
+
+
+def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, caplog):
+    engine = make_engine()
+    quiet = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.3, "timing/comm_share": 0.3}
+    engine._warn_comm_share(quiet)
+    assert engine.routing.monitor.report()["warnings"] == []
+    loud = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.45, "timing/comm_share": 0.45}
+    engine._warn_comm_share(loud)
+    engine._warn_comm_share(loud)  # at most one warning every COMM_WARN_EVERY steps
+    (warning,) = engine.routing.monitor.report()["warnings"]
+    assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
+    assert "communication takes 45% of the step" in caplog.text

@@ -47,6 +47,7 @@ def engine_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
         "log_probs": [x.clone() for x in log_probs.unbind()],
         "same_weights": same_weights,
         "grad_norm": out["metrics"].get("grad_norm"),  # reported on tp rank 0 only
+        "timing": {k: v for k, v in out["metrics"].items() if k.startswith("timing/")},
         # after the step: every replica of every weight must hold the same update
         "updated": {k: v.clone() for k, v in engine.get_per_tensor_param()[0]},
     }
@@ -86,6 +87,9 @@ def test_parallel_engine_matches_world1(tp, ep, world1, tiny_hf_dir, monkeypatch
         assert not drifted, (
             f"rank {rank} holds other weights than rank 0 after the step: {drifted[:4]}"
         )
+    # timing/* are the maximum over ranks: every rank reports the same figures
+    assert results[0]["timing"]["timing/step_s"][0] > 0
+    assert all(r["timing"] == results[0]["timing"] for r in results)
     for r in results:
         assert r["same_weights"], f"rank {r} streamed other weights than the HF checkpoint"
         if r["grad_norm"] is not None:

@@ -17,6 +17,11 @@ BaseEngine calls verl's workers make map onto our code:
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
+  timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
+                      forward_backward, grad_reduce, optimizer; between steps, counted in the
+                      next one: weight_sync, offload, onload, old_log_prob. train_batch returns
+                      timing/* (max over ranks) with the step's metrics; a comm share over 30%
+                      is logged and kept in the routing report's warnings
 """
 
 import logging
@@ -31,6 +36,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
+from backend.timing import SECTIONS, MoEDispatchTimer, StepTimer, comm_share_warning, max_over_ranks
 from recipes.dapo import batches, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.heads import head_outputs
@@ -39,6 +45,8 @@ from recipes.dapo.routing import Routing
 
 logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
+DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
+COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
 
 
 def engine_device() -> str:
@@ -99,6 +107,8 @@ class McoreEpEngine(BaseEngine):
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
+        self.timer, self.dispatch_timer = StepTimer(enabled=False), None
+        self._comm_warned_at: int | None = None
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -116,7 +126,7 @@ class McoreEpEngine(BaseEngine):
         # local spec (the converters' name table covers it; TE names are not mapped yet) with
         # our grouped-GEMM experts / SDPA attention where BuildOptions picks them
         opts = BuildOptions(device=self.device, dtype=dtype, spec="local", recompute=c.recompute,
-                            experts=c.experts, attention=c.attention)
+                            experts=c.experts, attention=c.attention)  # fmt: skip
         self.module = build_model(self.spec, self.groups, opts)
         self.experts = opts.resolved_experts()
         weights.load_hf(self.module, self.model_config.local_path, self.spec, self.groups)
@@ -136,6 +146,15 @@ class McoreEpEngine(BaseEngine):
                 optimizer=self.is_optimizer_offload_enabled,
                 grad=self.is_param_offload_enabled,
             )
+        self._start_timing()
+
+    def _start_timing(self) -> None:
+        """The step timer: the trained engine's only (a forward-only one never steps)."""
+        c = self.engine_config
+        on = c.timing and not c.forward_only
+        self.timer = StepTimer(self._torch_device, enabled=on)
+        if on and c.timing_dispatch:
+            self.dispatch_timer = MoEDispatchTimer(self.module, self.timer)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -166,16 +185,18 @@ class McoreEpEngine(BaseEngine):
             self.onload(model=model, optimizer=optimizer, grad=grad)
 
     def offload(self, model: bool = True, optimizer: bool = True) -> None:
-        if self.optim:
-            self.optim.offload(model=model, optimizer=optimizer)
-        elif model:  # forward-only (reference) module, no DDP buffers
-            self.module.to("cpu")
+        with self.timer.between_steps("offload"):
+            if self.optim:
+                self.optim.offload(model=model, optimizer=optimizer)
+            elif model:  # forward-only (reference) module, no DDP buffers
+                self.module.to("cpu")
 
     def onload(self, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        if self.optim:
-            self.optim.onload(model=model, optimizer=optimizer, grad=grad)
-        elif model:
-            self.module.to(self._torch_device)
+        with self.timer.between_steps("onload"):
+            if self.optim:
+                self.optim.onload(model=model, optimizer=optimizer, grad=grad)
+            elif model:
+                self.module.to(self._torch_device)
 
     # ---- parallel layout -------------------------------------------------------------
 
@@ -205,6 +226,13 @@ class McoreEpEngine(BaseEngine):
         tu.assign_non_tensor(data, batch_num_tokens=int(tokens.item()))
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if forward_only:
+            with self.timer.between_steps("old_log_prob"):
+                return self._forward_backward(data, loss_function, forward_only)
+        with self.timer.section("forward_backward"):
+            return self._forward_backward(data, loss_function, forward_only)
+
+    def _forward_backward(self, data, loss_function, forward_only: bool):
         self._set_batch_info(data)
         tp = self.groups.size("tp")
         plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device)
@@ -278,11 +306,46 @@ class McoreEpEngine(BaseEngine):
 
     # ---- optimizer -------------------------------------------------------------------
 
+    def train_batch(self, data, loss_function):
+        """BaseEngine's step, timed: its timing/* metrics join the step's (every rank calls)."""
+        self.timer.step_begin()
+        outputs = super().train_batch(data, loss_function)
+        outputs["metrics"].update({k: [v] for k, v in self._step_timing().items()})
+        return outputs
+
+    def _step_timing(self) -> dict[str, float]:
+        """This step's timing/*: every section the engine times (0 if it did not run), the
+        maximum over ranks; warns when the communication share is over 30%."""
+        step = self.timer.step_end()
+        if not step:
+            return {}
+        sections = [s for s in SECTIONS if self.dispatch_timer or s not in DISPATCH_SECTIONS]
+        metrics = {f"timing/{s}_s": 0.0 for s in sections} | {"timing/unclosed_sections": 0.0}
+        metrics.update(step)
+        if dist.get_world_size() > 1:
+            metrics = max_over_ranks(metrics, self._torch_device)
+        if not metrics["timing/unclosed_sections"]:
+            del metrics["timing/unclosed_sections"]
+        self._warn_comm_share(metrics)
+        return metrics
+
+    def _warn_comm_share(self, metrics: dict[str, float]) -> None:
+        step, last = self.timer.steps, self._comm_warned_at
+        if last is not None and step - last < COMM_WARN_EVERY:
+            return
+        warning = comm_share_warning(step, metrics)
+        if warning is not None:
+            self._comm_warned_at = step
+            self.routing.add_warning(warning)
+
     def optimizer_zero_grad(self):
         self.optim.zero_grad()
 
     def optimizer_step(self):
-        return self.optim.step()
+        with self.timer.section("grad_reduce"):
+            self.optim.reduce_grads()
+        with self.timer.section("optimizer"):
+            return self.optim.update()
 
     def lr_scheduler_step(self):
         return self.optim.lr_step()
@@ -293,7 +356,8 @@ class McoreEpEngine(BaseEngine):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
             self.onload(model=True, optimizer=False, grad=False)
-        return weights.hf_tensors(self.module, self.groups, self.spec), None
+        tensors = weights.hf_tensors(self.module, self.groups, self.spec)
+        return self.timer.timed_items("weight_sync", tensors), None
 
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs

@@ -115,9 +115,17 @@ class McoreOptimizer:
         self.optimizer.zero_grad()
 
     def step(self) -> float:
+        self.reduce_grads()
+        return self.update()
+
+    def reduce_grads(self) -> None:
+        """The step's gradient communication (the engine times it as `grad_reduce`)."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])  # DP/expert-DP reduce-scatter, TP-partial norm grads
+
+    def update(self) -> float:
+        """Clip and apply the reduced gradients; the global grad norm."""
         ok, norm, _ = self.optimizer.step()  # clips by the global norm, all-gathers the params
         if not ok:
             raise RuntimeError(

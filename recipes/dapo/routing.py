@@ -11,6 +11,7 @@ import logging
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 
@@ -62,7 +63,7 @@ class Routing:
     @contextmanager
     def counting(self):
         """The aux loss's counting pass: counted by the hook, not by the monitor."""
-        with (self.monitor.unmonitored() if self.monitor else nullcontext()):
+        with self.monitor.unmonitored() if self.monitor else nullcontext():
             with self.hook.counting() if self.needs_counting_pass else nullcontext():
                 yield
 
@@ -75,6 +76,14 @@ class Routing:
             return aux
         self.updates += 1
         return self.monitor.step_end(self.updates, aux_losses=aux)
+
+    def add_warning(self, warning) -> None:
+        """A backend.monitor RunWarning (e.g. the comm share's): one log line on the first
+        rank, kept in the routing report's warnings when the monitor is on."""
+        if self.monitor:
+            self.monitor.add_warning(warning)
+        elif dist.get_rank() == 0:
+            logger.warning(warning.line())
 
     def write_report(self, path, model: str) -> None:
         if self.monitor:

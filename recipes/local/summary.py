@@ -4,6 +4,8 @@ The yardstick is verl's validation of the DAPO recipe (`trainer.test_freq`): the
 one sampled response per validation prompt (score and overlong penalty, as trained on) and
 its accuracy. Train-batch scores are plotted too, but dynamic sampling keeps only groups
 whose accuracy varies, so they stay below what the policy does.
+The actor's `timing/*` (backend.timing, logged by verl as actor/timing/*) give the mean
+communication share of its steps, with backend.timing's warning line when it is over 30%.
 """
 
 import json
@@ -15,6 +17,7 @@ REWARD_KEY = f"val-aux/math_dapo/reward/mean@{TOY['val_n']}"
 ACC_KEY = f"val-core/math_dapo/acc/mean@{TOY['val_n']}"
 TRAIN_SCORE_KEY = "critic/score/mean"
 STEP_TIME_KEYS = ("timing_s/step", "timing_s/testing")
+ACTOR_TIMING = "actor/timing/"  # the engine's timing/* as verl logs them
 
 
 def first_step_at(history: list[dict], key: str, threshold: float) -> int | None:
@@ -28,6 +31,23 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
         total += sum(row.get(k, 0.0) for k in STEP_TIME_KEYS)
         out[row["step"]] = round(total, 1)
     return out
+
+
+def comm_share_summary(history: list[dict]) -> dict:
+    """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
+    is over 30% (backend.timing.comm_share_warning, the steps' mean seconds as its parts)."""
+    from backend.timing import comm_share_warning
+
+    rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
+    if not rows:
+        return {}
+    keys = {k for r in rows for k in r if k.startswith(ACTOR_TIMING)}
+    means = {k.removeprefix("actor/"): sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
+    warning = comm_share_warning(rows[-1]["step"], means)
+    return {
+        "comm_share_mean": round(means["timing/comm_share"], 4),
+        "comm_share_warning": warning.line() if warning else None,
+    }
 
 
 def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
@@ -74,6 +94,7 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
             60 * len(steps) / max(sum(r.get("timing_s/step", 0) for r in steps), 1e-9), 2
         ),
         "reward_curve": str(plot_reward_curve(history, out / "reward_curve.png", target)),
+        **comm_share_summary(history),
         **{k: str(v) if v is not None else None for k, v in paths.items()},
         **extra,
     }
@@ -91,6 +112,11 @@ def print_summary(summary: dict) -> None:
               f"(accuracy {summary['final_accuracy']:.2f}); >= {summary['target_reward']:g} "
               f"first at {when}")  # fmt: skip
     print(f"{summary['steps_per_min']} steps/min; start-up {summary['startup_s']}s")
+    if summary.get("comm_share_mean") is not None:
+        print(f"communication: {summary['comm_share_mean']:.1%} of the actor's step time "
+              "(mean of actor/timing/comm_share)")  # fmt: skip
+    if summary.get("comm_share_warning"):
+        print(summary["comm_share_warning"])
     for key in ("reward_curve", "routing_report", "routing_html", "tensorboard", "export",
                 "checkpoint"):  # fmt: skip
         if summary.get(key):
