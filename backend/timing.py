@@ -293,6 +293,13 @@ def comm_share(metrics: dict[str, float]) -> float:
     return comm / step if step > 0 else 0.0
 
 
+def add_steps(total: dict[str, float], step: dict[str, float]) -> dict[str, float]:
+    """Two spans' timing/* as one: seconds (and unclosed sections) summed, the share anew."""
+    share = f"{PREFIX}/comm_share"
+    out = {k: total.get(k, 0.0) + step.get(k, 0.0) for k in {*total, *step} if k != share}
+    return {**out, share: comm_share(out)}
+
+
 def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = COMM_SHARE_WARN):
     """A RunWarning when timing/comm_share is above `threshold`, else None.
 

@@ -6,7 +6,13 @@ import time
 import pytest
 import torch
 
-from backend.timing import COMM_SHARE_WARN, MoEDispatchTimer, StepTimer, comm_share_warning
+from backend.timing import (
+    COMM_SHARE_WARN,
+    MoEDispatchTimer,
+    StepTimer,
+    add_steps,
+    comm_share_warning,
+)
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -176,6 +182,18 @@ def test_work_between_steps_counts_in_the_next_step():
     timer.step_begin()
     clock.now += 1.0
     assert timer.step_end()["timing/step_s"] == 1.0  # the windows went with the last step
+
+
+def test_add_steps_sums_the_seconds_and_recomputes_the_share():
+    a = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.5, "timing/comm_share": 0.5}
+    b = {"timing/step_s": 3.0, "timing/optimizer_s": 1.0, "timing/comm_share": 0.0}
+    assert add_steps(a, b) == {
+        "timing/step_s": 4.0,
+        "timing/grad_reduce_s": 0.5,
+        "timing/optimizer_s": 1.0,
+        "timing/comm_share": 0.125,
+    }
+    assert add_steps({}, {}) == {"timing/comm_share": 0.0}
 
 
 def test_many_windows_are_resolved_and_an_abandoned_step_is_dropped(monkeypatch):

@@ -19,9 +19,9 @@ BaseEngine calls verl's workers make map onto our code:
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
   timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
                       forward_backward, grad_reduce, optimizer; between steps, counted in the
-                      next one: weight_sync, offload, onload, old_log_prob. train_batch returns
-                      timing/* (max over ranks) with the step's metrics; a comm share over 30%
-                      is logged and kept in the routing report's warnings
+                      next one: weight_sync, offload, onload, old_log_prob. The last
+                      train_batch of a trainer step returns timing/* (see train_batch); a comm
+                      share over 30% is logged and kept in the routing report's warnings
 """
 
 import logging
@@ -36,7 +36,14 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
-from backend.timing import SECTIONS, MoEDispatchTimer, StepTimer, comm_share_warning, max_over_ranks
+from backend.timing import (
+    SECTIONS,
+    MoEDispatchTimer,
+    StepTimer,
+    add_steps,
+    comm_share_warning,
+    max_over_ranks,
+)
 from recipes.dapo import batches, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.heads import head_outputs
@@ -108,6 +115,7 @@ class McoreEpEngine(BaseEngine):
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
         self.timer, self.dispatch_timer = StepTimer(enabled=False), None
+        self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
 
     # ---- setup -----------------------------------------------------------------------
@@ -307,17 +315,24 @@ class McoreEpEngine(BaseEngine):
     # ---- optimizer -------------------------------------------------------------------
 
     def train_batch(self, data, loss_function):
-        """BaseEngine's step, timed: its timing/* metrics join the step's (every rank calls)."""
+        """BaseEngine's step, timed (every rank calls it).
+
+        timing/* are summed over a trainer step's optimizer steps and returned once, with its
+        last one (verl's `update_lr_scheduler` flag; without the flag, with every step): verl
+        reduces an actor metric over the updates by np.min when its key contains "min", as
+        "timing" does, so a value per update would log the smallest update."""
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
-        outputs["metrics"].update({k: [v] for k, v in self._step_timing().items()})
+        self._timing = add_steps(self._timing, self.timer.step_end())
+        if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
+            outputs["metrics"].update({k: [v] for k, v in self._step_timing().items()})
         return outputs
 
     def _step_timing(self) -> dict[str, float]:
-        """This step's timing/*: every section the engine times (0 if it did not run), the
-        maximum over ranks; warns when the communication share is over 30%."""
-        step = self.timer.step_end()
-        if not step:
+        """The trainer step's timing/*: every section the engine times (0 if it did not run),
+        the maximum over ranks; warns when the communication share is over 30%."""
+        step, self._timing = self._timing, {}
+        if not self.timer.enabled:
             return {}
         sections = [s for s in SECTIONS if self.dispatch_timer or s not in DISPATCH_SECTIONS]
         metrics = {f"timing/{s}_s": 0.0 for s in sections} | {"timing/unclosed_sections": 0.0}
