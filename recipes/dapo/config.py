@@ -27,6 +27,9 @@ class McoreEpEngineConfig(EngineConfig):
     layer per checkpoint. experts / attention: backend.model.BuildOptions' choices ("auto": our
     grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
     z_coeff, scope). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
+    router_replay: "disabled" | "R2" (the update reuses the old-log-prob pass's experts) |
+    "R3" (old-log-prob pass and update use the rollout's `routed_experts`; needs the
+    rollout's enable_rollout_routing_replay=True). See recipes/README.md, "Routing replay".
     """
 
     strategy: str = BACKEND
@@ -41,6 +44,7 @@ class McoreEpEngineConfig(EngineConfig):
     aux_loss: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
     monitor: dict[str, Any] = field(default_factory=lambda: {"enable": True, "log_dir": None})
     checkpoint_shard_gb: float = 4.0
+    router_replay: str = "disabled"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,6 +58,10 @@ class McoreEpEngineConfig(EngineConfig):
                 f"pp={self.pipeline_model_parallel_size} cp={self.context_parallel_size}: "
                 "the mcore_ep "
                 "actor runs pp=1 and cp=1; use tp, ep and dp instead (python -m parallel --auto)"
+            )
+        if self.router_replay not in ("disabled", "R2", "R3"):
+            raise EngineConfigError(
+                f"router_replay={self.router_replay!r}: choose disabled, R2 or R3"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(
