@@ -362,3 +362,20 @@ def test_p99_is_the_nearest_rank_percentile():
     diffs = torch.cat((torch.zeros(990), torch.ones(10)))  # 1% of the tokens at 1
     assert summary(diffs)["actor/rollout_logprob_abs_diff/p99"] == 0.0
     assert summary(torch.cat((diffs, torch.ones(1))))["actor/rollout_logprob_abs_diff/p99"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2-ep2"])
+def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tp, ep, tiny_hf_dir):
+    """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on."""
+    from packaging.version import Version
+
+    from backend.compat import mcore_version
+    from tests.multiproc import run_ranks
+
+    if mcore_version() < Version("0.13") and (tp, ep) == (2, 1):
+        pytest.skip("megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1")
+    for rank, result in enumerate(run_ranks(r3_update_rank, 2, str(tiny_hf_dir), tp, ep, True)):
+        for phase, (checked, wrong, recomputes) in result.items():
+            assert checked > 0 and wrong == 0, f"rank {rank} {phase}: {wrong} of {checked} off"
+        assert result["update"][2] > 0
