@@ -166,7 +166,10 @@ class AgreementMeter:
         counted_T = call.reference_T.to(own_TE.device)
         same_T = (own_TE == ref_TE).all(-1) & counted_T
         if self.same_L.device != own_TE.device:
-            self.same_L, self.total_L = self.same_L.to(own_TE.device), self.total_L.to(own_TE.device)
+            self.same_L, self.total_L = (
+                self.same_L.to(own_TE.device),
+                self.total_L.to(own_TE.device),
+            )
         self.same_L[call.layer] += same_T.sum()
         self.total_L[call.layer] += counted_T.sum()
 

@@ -11,6 +11,7 @@ from functools import partial
 
 import pytest
 import torch
+
 from tests.test_verl_engine import build_engine, make_batch
 
 E, K, LAYERS = 8, 2, 2  # tiny model: experts, top-k, layers
@@ -151,7 +152,7 @@ def engine_of(world1, tiny_hf_dir, monkeypatch):
 def test_r3_routes_every_fed_token_as_the_rollout(world1, tiny_hf_dir, monkeypatch, recompute):
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     result = r3_update_rank(0, str(tiny_hf_dir), 1, 1, recompute)
-    for phase, (checked, wrong, recomputes) in result.items():
+    for phase, (checked, wrong, _) in result.items():
         assert checked > 0 and wrong == 0, f"{phase}: {wrong} of {checked} tokens off the rollout"
     assert (result["update"][2] > 0) == recompute  # recompute's replays were checked too
 
@@ -180,7 +181,9 @@ def test_r2_update_reuses_the_old_log_prob_routes(engine_of):
         out = engine.infer_batch(data)
     recorded = out["model_output"]["routed_experts"]
     old = watch.routes_by_token()
-    for b, (ids, rows) in enumerate(zip(data["input_ids"].unbind(), recorded.unbind())):
+    for b, (ids, rows) in enumerate(
+        zip(data["input_ids"].unbind(), recorded.unbind(), strict=True)
+    ):
         assert rows.shape == (len(ids), LAYERS, K)
         for pos in range(len(ids)):
             for layer in range(LAYERS):
@@ -226,7 +229,9 @@ def _force_by_hand(engine, watch) -> None:
             p_TK = p_TK / p_TK.sum(-1, keepdim=True)
             forced_TE = torch.zeros_like(logits_TE).scatter(1, idx_TK, p_TK)
             forced_map_TE = torch.zeros_like(map_TE).scatter(1, idx_TK, True)
-            return torch.where(fed_T, forced_TE, probs_TE), torch.where(fed_T, forced_map_TE, map_TE)
+            return torch.where(fed_T, forced_TE, probs_TE), torch.where(
+                fed_T, forced_map_TE, map_TE
+            )
 
         router.routing = routing
 
@@ -263,7 +268,8 @@ def test_injected_route_changes_drop_the_agreement_by_their_share(engine_of):
     rows = [r.clone() for r in own.unbind()]
     counted = []  # (row, position) of the response tokens the rollout fed its model
     for b, (p_len, r_len) in enumerate(
-        (len(p), len(r)) for p, r in zip(data["prompts"].unbind(), data["responses"].unbind())
+        (len(p), len(r))
+        for p, r in zip(data["prompts"].unbind(), data["responses"].unbind(), strict=True)
     ):
         counted += [(b, pos) for pos in range(p_len, p_len + r_len - 1)]
         rows[b][-1] = 0  # the rollout's placeholder for its unfed last token
@@ -301,7 +307,9 @@ def test_rollout_logprob_diff_and_agreement_reach_the_update_metrics_and_report(
     data["rollout_log_probs"] = torch.nested.nested_tensor_from_jagged(values, rollout.offsets())
     with engine.eval_mode():
         old = engine.infer_batch(data)
-    data["old_log_probs"] = response_from_nested(old["model_output"]["log_probs"], data["response_mask"])
+    data["old_log_probs"] = response_from_nested(
+        old["model_output"]["log_probs"], data["response_mask"]
+    )
     n = values.numel()
     m = old["metrics"]
     assert m["actor/rollout_logprob_abs_diff/max"] == [pytest.approx(0.5, abs=1e-6)]
@@ -376,6 +384,6 @@ def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tp, ep, tiny_hf
     if mcore_version() < Version("0.13") and (tp, ep) == (2, 1):
         pytest.skip("megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1")
     for rank, result in enumerate(run_ranks(r3_update_rank, 2, str(tiny_hf_dir), tp, ep, True)):
-        for phase, (checked, wrong, recomputes) in result.items():
+        for phase, (checked, wrong, _) in result.items():
             assert checked > 0 and wrong == 0, f"rank {rank} {phase}: {wrong} of {checked} off"
         assert result["update"][2] > 0

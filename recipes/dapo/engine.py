@@ -260,8 +260,11 @@ class McoreEpEngine(BaseEngine):
         if mode in ("R2", "R3") and phase == "update" and not has_routes:
             raise ValueError(
                 f"router_replay={mode}: the update batch has no routed_experts "
-                + ("(R2: the old-log-prob pass records them; is it skipped?)" if mode == "R2"
-                   else "(R3: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True)")
+                + (
+                    "(R2: the old-log-prob pass records them; is it skipped?)"
+                    if mode == "R2"
+                    else "(R3: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True)"
+                )
             )
         if phase == "old_log_prob" and mode == "R2" and has_routes:
             raise ValueError(
