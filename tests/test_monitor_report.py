@@ -189,3 +189,31 @@ def test_damaged_report_rejected(tmp_path, capsys, damage):
         path.write_text(json.dumps(data))
     code, _, err = _cli(capsys, "render", path, "-o", tmp_path / "o")
     assert code == 2 and err.startswith("error: ")
+
+
+def _write_with_agreement(path, agreement_L_per_step):
+    from backend.router_replay import agreement_metrics
+
+    history = LoadHistory(("update",), LAYERS, EXPERTS, 1, 2)
+    for step, agreement_L in enumerate(agreement_L_per_step):
+        mismatch = agreement_metrics(torch.tensor(agreement_L) * 100, torch.full((LAYERS,), 100))
+        history.add(step, BALANCED_LE[None], {}, mismatch=mismatch)
+    plan = {"tp": 1, "ep": 1, "pp": 1, "cp": 1, "dp": 1, "etp": 1, "edp": 1, "world": 1}
+    return save_report(build_report(history, plan, model="run", top_k=2), path)
+
+
+def test_compare_sets_routing_agreement_per_layer_side_by_side(tmp_path, capsys):
+    a = _write_with_agreement(tmp_path / "a.json", [[1.0, 0.9, 0.8, 0.7], [1.0, 0.7, 0.8, 0.5]])
+    b = _write_with_agreement(tmp_path / "b.json", [[1.0] * LAYERS, [1.0] * LAYERS])
+    assert load_report(a).agreement_L().tolist() == pytest.approx([1.0, 0.8, 0.8, 0.6])
+    code, _, _ = _cli(capsys, "compare", a, b, "-o", tmp_path / "cmp")
+    assert code == 0
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())["layers"]
+    assert [r["agreement_a"] for r in rows] == pytest.approx([1.0, 0.8, 0.8, 0.6])
+    assert [r["agreement_b"] for r in rows] == [1.0] * LAYERS
+    assert "agreement_a" in (tmp_path / "cmp" / "index.html").read_text()
+    # a run that never measured it: null on its side
+    c = _write(tmp_path / "c.json", [BALANCED_LE] * 2, ep=1)
+    assert _cli(capsys, "compare", a, c, "-o", tmp_path / "cmp2")[0] == 0
+    rows = json.loads((tmp_path / "cmp2" / "compare.json").read_text())["layers"]
+    assert rows[1]["agreement_b"] is None and rows[1]["agreement_a"] == pytest.approx(0.8)

@@ -122,6 +122,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001}",
         f"{engine}.monitor.enable": "true",
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
+        f"{engine}.router_replay": "disabled",
         f"{engine}.monitor.assumed_ep_skew": "2.0",
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
@@ -370,3 +371,18 @@ def test_history_merges_launches_and_skips_a_torn_line(tmp_path):
     assert [first.name, second.name] == ["launch_000.jsonl", "launch_001.jsonl"]
     history = read_history(tmp_path)
     assert [(h["step"], h["r"]) for h in history] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+@pytest.mark.parametrize("device", ["npu", "cuda"])
+def test_dry_run_names_the_rollout_r3_needs(device, nothing_starts, capsys):
+    base = ["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8", "--device", device,
+            "--dry-run", "--", "actor_rollout_ref.actor.mcore_ep.router_replay=R3"]
+    assert launch.main(base) == 0
+    out = capsys.readouterr().out
+    assert "routing replay: R3" in out and "vLLM >= 0.22 on CUDA" in out
+    assert "check vllm-ascend's release notes" in out
+    assert "warning: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True" in out
+    assert launch.main([*base, "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"]) == 0
+    assert "warning: set" not in capsys.readouterr().out
+    assert launch.main(base[:-2]) == 0
+    assert "routing replay" not in capsys.readouterr().out

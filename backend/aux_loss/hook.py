@@ -172,7 +172,7 @@ class AuxLossHook:
                 "aux loss needs a token mask: call hook.set_tokens(valid_BS) before each forward"
             )
         if self._phase == COUNTING:
-            self._count_LE[call.layer] += losses.routed_counts_E(call.routing_map_TE, call.valid_T)
+            self._count_LE[call.layer] += losses.routed_counts_E(call.chosen_map_TE, call.valid_T)
             self._count_tokens_L[call.layer] += call.valid_T.sum()
             return
         attach = (
@@ -204,7 +204,7 @@ class AuxLossHook:
         return term
 
     def _balance_share(self, call: RouterCall, log: bool) -> torch.Tensor:
-        logits_TE, map_TE, valid_T = call.logits_TE, call.routing_map_TE, call.valid_T
+        logits_TE, map_TE, valid_T = call.logits_TE, call.chosen_map_TE, call.valid_T
         layer = call.layer
         if self.config.type == "global_batch":
             if log:  # the value is computed at step end from whole-step counts and sums

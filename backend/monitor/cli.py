@@ -54,11 +54,21 @@ def _sides(args) -> tuple[Side, Side]:
         span, counts = report.window(args.phase, which)
         name = report.label if len(reports) == 2 else ""
         label = f"{name} {span}".strip() if which != "all" else report.label
-        sides.append(Side(label, counts, args.ep or report.ep))
+        agreement = report.agreement_L(*_span(report, args.phase, which))
+        sides.append(Side(label, counts, args.ep or report.ep, agreement))
     if len(reports) == 1 and sides[0].label == sides[1].label:
         raise ReportError(f"--window {' '.join(args.window)} both select {sides[0].label} of "
                           f"{ra.path}: it needs at least two windows (lower window_steps)")
     return sides[0], sides[1]
+
+
+def _span(report, phase: str, which: str) -> tuple[int | None, int | None]:
+    """The steps a window covers (None, None: all)."""
+    if which == "all":
+        return None, None
+    span, _ = report.window(phase, which)
+    first, last = span.removeprefix("steps ").split("-")
+    return int(first), int(last)
 
 
 def _run(args) -> int:

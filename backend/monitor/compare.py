@@ -20,6 +20,7 @@ class Side:
     label: str
     counts_LE: torch.Tensor
     ep: int
+    agreement_L: torch.Tensor | None = None  # rollout-vs-trainer routing agreement, if measured
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ def _sentence(layer: int, row: dict, mover: dict) -> str:
             f"{mover['share_b']:.0%} (JSD {row['jsd']:.3f} bits)")
 
 
+def _agreement_row(a: Side, b: Side, layer: int) -> dict:
+    """agreement_a / _b / _delta of one layer (NaN where a side did not measure it)."""
+    va = a.agreement_L[layer].item() if a.agreement_L is not None else math.nan
+    vb = b.agreement_L[layer].item() if b.agreement_L is not None else math.nan
+    return {"agreement_a": va, "agreement_b": vb, "agreement_delta": vb - va}
+
+
 def compare(a: Side, b: Side, limits: Thresholds = Thresholds()) -> dict:
     """Per-layer metrics of both sides, deltas, JSD, top movers, and sentences for big changes."""
     check_comparable(a, b)
@@ -89,6 +97,7 @@ def compare(a: Side, b: Side, limits: Thresholds = Thresholds()) -> dict:
         for name in ma:
             row[f"{name}_a"], row[f"{name}_b"] = ma[name][layer].item(), mb[name][layer].item()
             row[f"{name}_delta"] = row[f"{name}_b"] - row[f"{name}_a"]
+        row.update(_agreement_row(a, b, layer))
         row["flagged"] = bool(row["jsd"] >= limits.jsd_bits
                               or abs(row["top3_b"] - row["top3_a"]) >= limits.top_share)
         if row["flagged"]:

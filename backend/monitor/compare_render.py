@@ -14,7 +14,7 @@ from backend.monitor.report import _strict
 
 LAYER_COLUMNS = ("jsd", "top3_a", "top3_b", "max_over_mean_a", "max_over_mean_b", "cv_a", "cv_b",
                  "entropy_a", "entropy_b", "dead_a", "dead_b", "ep_max_over_mean_a",
-                 "ep_max_over_mean_b")
+                 "ep_max_over_mean_b", "agreement_a", "agreement_b")
 
 
 def _curve(result: dict, key: str) -> np.ndarray:

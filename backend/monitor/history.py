@@ -57,8 +57,9 @@ class LoadHistory:
         self.cumulative_PLE = torch.zeros(shape, dtype=torch.int64)
 
     def add(self, step: int, counts_PLE: torch.Tensor, aux_loss: dict[str, float],
-            metrics: dict | None = None) -> None:
-        """Fold in one step's reduced counts; `metrics`: its phase_metrics if already computed."""
+            metrics: dict | None = None, mismatch: dict[str, float] | None = None) -> None:
+        """Fold in one step's reduced counts; `metrics`: its phase_metrics if already computed;
+        `mismatch`: its routing agreement / rollout log-prob metrics, kept when given."""
         self.cumulative_PLE += counts_PLE
         if self._open is None:
             self._open = Window(step, step, torch.zeros_like(counts_PLE), complete=False)
@@ -72,7 +73,10 @@ class LoadHistory:
         if metrics is None:
             metrics = phase_metrics(counts_PLE, self.phases, self.ep)
         summaries = {name: step_summary(*m) for name, m in metrics.items()}
-        self.steps.append({"step": step, "phases": summaries, "aux_loss": aux_loss})
+        entry = {"step": step, "phases": summaries, "aux_loss": aux_loss}
+        if mismatch:
+            entry["mismatch"] = dict(mismatch)
+        self.steps.append(entry)
 
     def all_windows(self) -> list[Window]:
         """Closed windows, then the open (partial) one if it has steps."""

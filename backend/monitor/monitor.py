@@ -147,15 +147,23 @@ class ExpertLoadMonitor:
         return self._counts_PLE.detach().cpu().clone()
 
     def step_end(
-        self, step: int, aux_losses: Mapping[str, object] | None = None
+        self,
+        step: int,
+        aux_losses: Mapping[str, object] | None = None,
+        extra: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
-        """Reduce this step's counts (collective: every rank calls it), log, return metrics."""
+        """Reduce this step's counts (collective: every rank calls it), log, return metrics.
+
+        extra: already reduced scalars of this step (routing agreement, rollout log-prob
+        mismatch): logged and kept in the report's step as `mismatch`."""
         counts_PLE = reduce_counts_(self._counts_PLE, self.groups).to("cpu", copy=True)
         self._counts_PLE.zero_()
         aux = _aux_values(aux_losses)
+        extra = {k: float(v) for k, v in (extra or {}).items()}
         per_phase = phase_metrics(counts_PLE, self.phases, self.plan["ep"])
-        self.history.add(step, counts_PLE, aux, per_phase)
+        self.history.add(step, counts_PLE, aux, per_phase, mismatch=extra)
         metrics = {**self._step_metrics(counts_PLE, per_phase), **aux, **self._cumulative_metrics()}
+        metrics.update(extra)
         if self.unlabelled_calls:  # a pass the caller forgot to label: visible, not silent
             metrics["moe/unlabelled_router_calls"] = float(self.unlabelled_calls)
             self.unlabelled_calls = 0

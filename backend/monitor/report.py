@@ -6,7 +6,9 @@ Layout (schema_version 1):
         phases, window_steps, steps, first_step, last_step, created, and caller extras,
   phases.<name>: cumulative [L][E] counts, metrics (of the cumulative counts),
                  windows [{start_step, end_step, complete, counts [L][E]}],
-  steps: [{step, phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...}}],
+  steps: [{step, phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...},
+          mismatch {moe/routing_agreement/layer_NN, .../mean, .../min,
+                    actor/rollout_logprob_abs_diff/{mean,p99,max}} when measured}],
   warnings: [{kind, step, text, ...}] (alerts.RunWarning; absent in older files).
 Counts are per global expert, so runs with different EP degrees compare directly.
 NaN (a metric of an empty layer) is stored as null: the file stays strict JSON.
@@ -184,6 +186,19 @@ class Report:
                 ) from None
         label = f"steps {chosen['start_step']}-{chosen['end_step']}"
         return label, torch.tensor(chosen["counts"], dtype=torch.int64)
+
+    def agreement_L(self, first_step: int | None = None, last_step: int | None = None):
+        """Mean per-layer routing agreement over the steps (in the span) that measured it,
+        [L] float64, or None when none did."""
+        rows = []
+        for s in self.data["steps"]:
+            if first_step is not None and not first_step <= s["step"] <= last_step:
+                continue
+            mismatch = s.get("mismatch") or {}
+            keys = [f"moe/routing_agreement/layer_{i:02d}" for i in range(self.shape[0])]
+            if all(k in mismatch for k in keys):
+                rows.append([mismatch[k] for k in keys])
+        return torch.tensor(rows, dtype=torch.float64).mean(0) if rows else None
 
     def step_curve(self, phase: str, name: str) -> tuple[list[int], np.ndarray]:
         """Steps with tokens in `phase`, and the per-layer curve `name` at each ([S, L])."""

@@ -106,10 +106,24 @@ def plan_micro_batches(data: TensorDict, tp: int, dp_group, device="cpu") -> lis
     return split_to(plans, int(count))
 
 
-def _response_mask(data: TensorDict, lengths_B: torch.Tensor, width: int) -> torch.Tensor | None:
+def response_lengths_B(data: TensorDict) -> torch.Tensor | None:
+    """Response tokens per row: nested `responses`, or (verl's padded layout) the attention
+    mask's count past the prompt width, as verl's no_padding_2_padding reads it."""
     if "responses" not in data.keys():
         return None
-    responses_B = _lengths(data["responses"])
+    responses = data["responses"]
+    keys = data.keys()
+    if not responses.is_nested and "attention_mask" in keys and "prompts" in keys:
+        mask = data["attention_mask"]
+        if not mask.is_nested and not data["prompts"].is_nested:
+            return mask[:, data["prompts"].shape[1] :].sum(1).cpu().long()
+    return _lengths(responses)
+
+
+def _response_mask(data: TensorDict, lengths_B: torch.Tensor, width: int) -> torch.Tensor | None:
+    responses_B = response_lengths_B(data)
+    if responses_B is None:
+        return None
     pos_S = torch.arange(width)
     return (pos_S >= (lengths_B - responses_B)[:, None]) & (pos_S < lengths_B[:, None])
 
@@ -145,3 +159,34 @@ def restore_rows(per_mb: list[torch.Tensor], plans: list[list[int]]) -> torch.Te
     for row, piece in zip(rows, pieces, strict=True):
         ordered[row] = piece
     return torch.nested.as_nested_tensor(ordered, layout=torch.jagged)
+
+
+def padded_routes(routes, lengths_B: torch.Tensor, width: int, device, fed_only: bool):
+    """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row) as
+    backend.router_replay.Routes over the right-padded [B, width] micro-batch.
+
+    fed_only: a rollout's routes: its last token was never fed to the model (its row is a
+    placeholder or absent), so it is not used; the recorded routes of a full forward are.
+    """
+    from backend.router_replay import Routes
+
+    rows = routes.unbind() if routes.is_nested else list(routes)
+    num_layers, top_k = rows[0].shape[-2:]
+    experts_BSLK = torch.zeros(len(rows), width, num_layers, top_k, dtype=torch.long)
+    use_BS = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (row, n) in enumerate(zip(rows, lengths_B.tolist(), strict=True)):
+        if row.shape[0] not in (n, n - 1):
+            raise BatchError(
+                f"routed_experts row {b} has {row.shape[0]} positions for {n} tokens: "
+                "expected one per token (or all but the last)"
+            )
+        m = min(row.shape[0], n - 1 if fed_only else n)
+        experts_BSLK[b, :m] = row[:m].long().cpu()
+        use_BS[b, :m] = True
+    return Routes(experts_BSLK.to(device), use_BS.to(device))
+
+
+def routes_to_nested(experts_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """Recorded [B, S, L, K] routes -> verl's nested routed_experts rows ([len, L, K] each)."""
+    pieces = [experts_BSLK[b, :n] for b, n in enumerate(lengths_B.tolist())]
+    return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)

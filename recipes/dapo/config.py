@@ -31,6 +31,9 @@ class McoreEpEngineConfig(EngineConfig):
     timing: per-step `timing/*` metrics and the communication-share warning (backend.timing;
     on by default: its sections cost under 1% of a step). timing_dispatch: also time every MoE
     layer's token dispatch / combine (off by default: +2.7% on the tiny model on CPU).
+    router_replay: "disabled" | "R2" (the update reuses the old-log-prob pass's experts) |
+    "R3" (old-log-prob pass and update use the rollout's `routed_experts`; needs the
+    rollout's enable_rollout_routing_replay=True). See recipes/README.md, "Routing replay".
     """
 
     strategy: str = BACKEND
@@ -47,6 +50,7 @@ class McoreEpEngineConfig(EngineConfig):
     checkpoint_shard_gb: float = 4.0
     timing: bool = TIMING_DEFAULT
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
+    router_replay: str = "disabled"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +64,10 @@ class McoreEpEngineConfig(EngineConfig):
                 f"pp={self.pipeline_model_parallel_size} cp={self.context_parallel_size}: "
                 "the mcore_ep "
                 "actor runs pp=1 and cp=1; use tp, ep and dp instead (python -m parallel --auto)"
+            )
+        if self.router_replay not in ("disabled", "R2", "R3"):
+            raise EngineConfigError(
+                f"router_replay={self.router_replay!r}: choose disabled, R2 or R3"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
+ROUTE_DTYPE = torch.int32  # recorded routed_experts (R2), as verl's megatron engine returns
 
 
 def engine_device() -> str:
@@ -139,8 +140,9 @@ class McoreEpEngine(BaseEngine):
         self.experts = opts.resolved_experts()
         weights.load_hf(self.module, self.model_config.local_path, self.spec, self.groups)
         self.routing = Routing(
-            self.module, self.groups, self.spec, dict(c.aux_loss), dict(c.monitor)
-        )
+            self.module, self.groups, self.spec, dict(c.aux_loss), dict(c.monitor),
+            replay=c.router_replay,
+        )  # fmt: skip
         if c.forward_only:
             self.model = self.module
         else:
@@ -245,6 +247,8 @@ class McoreEpEngine(BaseEngine):
         tp = self.groups.size("tp")
         plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device)
         mbs = [batches.micro_batch(data, rows, tp, self._torch_device) for rows in plans]
+        phase = self._phase(forward_only)
+        routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         run = partial(
@@ -255,30 +259,103 @@ class McoreEpEngine(BaseEngine):
             entropy=entropy,
         )
         if forward_only:
-            with self.routing.phase("ref" if self.engine_config.forward_only else "old_log_prob"):
-                return self._assemble([run(mb) for mb in mbs], plans, {})
+            with self.routing.phase(phase):
+                outputs = [run(mb, routes=r) for mb, r in zip(mbs, routes, strict=True)]
+            self.routing.set_routes()
+            out = self._assemble(outputs, plans, {})
+            if phase == "old_log_prob":
+                self._old_log_prob_metrics(out, data)
+            return out
         self.routing.start_step(mbs)
         if self.routing.needs_counting_pass:
-            self._counting_pass(mbs)
+            self._counting_pass(mbs, routes)
         with self.routing.phase("update"):
-            outputs = [run(mb) for mb in mbs]
+            outputs = [run(mb, routes=r) for mb, r in zip(mbs, routes, strict=True)]
         return self._assemble(outputs, plans, self.routing.end_step())
 
-    def _counting_pass(self, mbs) -> None:
+    # ---- routing replay and train-vs-rollout mismatch --------------------------------
+
+    def _phase(self, forward_only: bool) -> str:
+        if not forward_only:
+            return "update"
+        return "ref" if self.engine_config.forward_only else "old_log_prob"
+
+    def _routes(self, mb, phase: str) -> dict:
+        """set_routes arguments of a micro-batch: what to force, compare with and record.
+
+        R3: old-log-prob pass and update force the rollout's routes (every token the rollout
+        fed to its model: prompt and response but each row's last). R2: the old-log-prob pass
+        records the router's own routes (returned as `routed_experts`, which verl's trainer
+        hands back to the update), the update forces them. Padding keeps the router's own
+        choice. The rollout's routes are the reference of the agreement metric, on response
+        tokens, in the old-log-prob pass (the rollout's weights); never in the ref pass."""
+        mode, keys = self.engine_config.router_replay, mb.data.keys()
+        if phase == "ref":
+            return {}
+        has_routes = "routed_experts" in keys
+        if mode in ("R2", "R3") and phase == "update" and not has_routes:
+            raise ValueError(
+                f"router_replay={mode}: the update batch has no routed_experts "
+                + (
+                    "(R2: the old-log-prob pass records them; is it skipped?)"
+                    if mode == "R2"
+                    else "(R3: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True)"
+                )
+            )
+        if phase == "old_log_prob" and mode == "R2" and has_routes:
+            raise ValueError(
+                "router_replay=R2 records its own routes in the old-log-prob pass, but the "
+                "batch already has the rollout's routed_experts: use R3, or turn "
+                "enable_rollout_routing_replay off"
+            )
+        if phase == "old_log_prob" and mode == "R3" and not has_routes:
+            raise ValueError(
+                "router_replay=R3 needs the rollout's routed_experts: set "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+            )
+        if not has_routes:
+            return {"record": mode == "R2"}
+        width = mb.ids_BS.shape[1]
+        recorded = mode == "R2"  # R2's update: our own routes of every token
+        routes = batches.padded_routes(
+            mb.data["routed_experts"], mb.lengths_B, width, self._torch_device, not recorded
+        )
+        out = {"replay": routes if mode != "disabled" else None}
+        if phase == "old_log_prob":
+            counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
+            out["reference"] = type(routes)(routes.experts_BSLK, counted_BS)
+        return out
+
+    def _old_log_prob_metrics(self, out: dict, data) -> None:
+        """Agreement and log-prob mismatch of this pass: returned in its metrics and kept
+        for the next update step's (verl reads only the update's metrics)."""
+        from recipes.dapo.mismatch import rollout_logprob_abs_diff
+
+        metrics = self.routing.take_agreement()
+        if "rollout_log_probs" in data.keys():
+            metrics.update(
+                rollout_logprob_abs_diff(out["model_output"]["log_probs"], data, self.groups.dp)
+            )
+        self.routing.pending = dict(metrics)
+        out["metrics"].update({k: [v] for k, v in metrics.items()})
+
+    def _counting_pass(self, mbs, routes) -> None:
         """Routing counts of the whole step before any backward (global_batch aux loss)."""
         from backend.forward import forward_logits
 
         with self.routing.counting(), torch.no_grad():
-            for mb in mbs:
+            for mb, r in zip(mbs, routes, strict=True):
                 self.routing.set_tokens(mb.valid_BS, mb.response_BS)
+                self.routing.set_routes(**r)
                 forward_logits(self.model, mb.ids_BS)
 
     def _micro_batch(
-        self, mb, loss_function, forward_only: bool, temperature, entropy: bool
+        self, mb, loss_function, forward_only: bool, temperature, entropy: bool, routes: dict
     ) -> dict:
         if isinstance(temperature, torch.Tensor) and temperature.dim() and temperature.numel() > 1:
             temperature = temperature[mb.rows]
         self.routing.set_tokens(mb.valid_BS, mb.response_BS)
+        self.routing.set_routes(**routes)
         outputs_BS = head_outputs(self.model, mb.ids_BS, temperature, entropy)
         outputs_BS["log_probs"] = outputs_BS["log_probs"].masked_fill(~mb.has_next_BS, 0.0)
         model_output = {k: batches.to_nested(v, mb.lengths_B) for k, v in outputs_BS.items()}
@@ -287,6 +364,11 @@ class McoreEpEngine(BaseEngine):
             "loss": 1.0,
             "metrics": {},
         }
+        if routes.get("record"):
+            experts_BSLK = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
+            result["model_output"]["routed_experts"] = batches.routes_to_nested(
+                experts_BSLK.to(ROUTE_DTYPE), mb.lengths_B
+            )
         if loss_function is not None:
             loss, metrics = loss_function(
                 model_output=model_output, data=mb.data, dp_group=self.groups.dp

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from recipes.dapo import cluster, data, overrides, stack
+from recipes.dapo import BACKEND, cluster, data, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
@@ -103,6 +103,7 @@ class Resolved:
             lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
             lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
+        lines += replay_lines(self.groups, run.device)
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
         if self.replaced:
@@ -124,6 +125,36 @@ class Resolved:
         warnings = cross_node_warnings(layout) + expert_warnings(self.model_fit, tokens)
         return [layout_summary(layout), *listed("notes", expert_notes(self.model_fit, tokens)),
                 *listed("warnings", warnings)]
+
+
+R3_ROLLOUT = (
+    "vLLM >= 0.22 on CUDA; on Ascend the vllm-ascend release that matches vLLM 0.22 "
+    "(check vllm-ascend's release notes)"
+)
+
+
+def _override(groups: dict[str, dict], key: str):
+    return next(
+        (v for kv in groups.values() for k, v in kv.items() if overrides.key_of(k) == key), None
+    )
+
+
+def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
+    """What routing replay needs from the rollout (printed by the dry run)."""
+    mode = str(_override(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled")
+    if mode == "disabled":
+        return []
+    lines = [f"routing replay: {mode} (recipes/README.md, \"Routing replay\")"]
+    key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+    on = str(_override(groups, key)).lower() == "true"
+    if mode == "R3":
+        source = "the CPU rollout returns them" if device == "cpu" else R3_ROLLOUT
+        lines.append(f"  R3 needs the rollout's routed_experts: {source}")
+        if not on:
+            lines.append(f"  warning: set {key}=True, or the first step stops without routes")
+    elif on:
+        lines.append(f"  warning: R2 records its own routes: verl refuses {key}=True with R2")
+    return lines
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -125,6 +125,7 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.aux_loss": _hydra_dict(AUX_LOSS),
         f"{ENGINE}.monitor.enable": True,
         f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
+        f"{ENGINE}.router_replay": "disabled",  # R2 | R3: recipes/README.md, "Routing replay"
     }
 
 

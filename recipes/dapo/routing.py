@@ -5,6 +5,12 @@ Both listen to one RouterTap on the model. Per optimizer step:
 and forward-only passes (old log-probs, reference) are counted under their own phase.
 Either instrument is off when its package is absent or its setting says so; the startup
 log line says which.
+
+Routing replay (mcore_ep.router_replay, see recipes/README.md): the same tap forces the
+experts (backend.router_replay) where `set_routes` gives some; the monitor counts the
+experts actually used, the aux loss reads the router's own choice and probabilities. Two
+more listeners: RouteRecorder (R2: the old-log-prob pass's own routes) and AgreementMeter
+(the router's own top-k set vs the rollout's, `moe/routing_agreement/*`).
 """
 
 import logging
@@ -14,22 +20,42 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
+from backend.router_replay import AgreementMeter, RouteRecorder
 
 logger = logging.getLogger(__name__)
+REPLAY_MODES = ("disabled", "R2", "R3")
 
 
 class Routing:
-    def __init__(self, module, groups: ProcessGroups, spec, aux_loss: dict, monitor: dict):
-        self.tap = self.monitor = self.hook = None
+    def __init__(
+        self,
+        module,
+        groups: ProcessGroups,
+        spec,
+        aux_loss: dict,
+        monitor: dict,
+        replay: str = "disabled",
+    ):
+        from backend.router_tap import RouterTap
+
+        if replay not in REPLAY_MODES:
+            raise ValueError(f"router_replay={replay!r}: choose one of {', '.join(REPLAY_MODES)}")
+        self.groups, self.replay_mode = groups, replay
+        self.monitor = self.hook = None
         self.updates = 0
+        self.pending: dict[str, float] = {}  # old-log-prob metrics, reported with the update
+        self.tap = RouterTap(module, groups, replay=replay != "disabled")
+        self.agreement = AgreementMeter(spec.num_layers, spec.num_experts)
+        self.recorder = RouteRecorder(spec.top_k)
+        self.tap.add_listener(self.agreement)
+        self.tap.add_listener(self.recorder)
+        if replay != "disabled":
+            logger.warning("mcore_ep: router replay %s", replay)
         want_monitor = bool(monitor.get("enable"))
         want_aux = aux_loss.get("mode", "off") != "off"
         if not (want_monitor or want_aux):
             logger.warning("mcore_ep: expert-load monitor and router aux loss are off")
             return
-        from backend.router_tap import RouterTap
-
-        self.tap = RouterTap(module, groups)
         if want_monitor:
             self.monitor = _monitor(spec, groups, monitor, self.tap)
         if want_aux:
@@ -54,6 +80,16 @@ class Routing:
         elif self.tap:
             self.tap.set_token_mask(valid_BS)
 
+    def set_routes(self, replay=None, reference=None, record: bool = False) -> None:
+        """Routes to force and to compare with in the next micro-batch; `record`: keep the
+        router's own routes for RouteRecorder.take_BSLK."""
+        self.tap.set_routes(replay=replay, reference=reference)
+        self.recorder.on = record
+
+    def take_agreement(self) -> dict[str, float]:
+        """Agreement of the forwards since the last call (collective over the world)."""
+        return self.agreement.take(self.groups)
+
     def start_step(self, micro_batches) -> None:
         if self.hook:
             self.hook.start_step(
@@ -68,14 +104,16 @@ class Routing:
                 yield
 
     def end_step(self) -> dict[str, float]:
-        """Metrics of this optimizer step (collective over the world when instruments are on)."""
+        """Metrics of this optimizer step (collective over the world when instruments are on),
+        with the pending old-log-prob metrics (agreement, log-prob mismatch) of this step."""
         aux = self.hook.end_step() if self.hook else {}
-        if self.tap:
-            self.tap.set_token_mask(None)
+        self.set_routes()
+        self.tap.set_token_mask(None)
+        extra, self.pending = self.pending, {}
         if not self.monitor:
-            return aux
+            return {**aux, **extra}
         self.updates += 1
-        return self.monitor.step_end(self.updates, aux_losses=aux)
+        return self.monitor.step_end(self.updates, aux_losses=aux, extra=extra)
 
     def add_warning(self, warning) -> None:
         """A backend.monitor RunWarning (e.g. the comm share's): one log line on the first
@@ -87,7 +125,7 @@ class Routing:
 
     def write_report(self, path, model: str) -> None:
         if self.monitor:
-            self.monitor.write_report(path, model=model)
+            self.monitor.write_report(path, model=model, router_replay=self.replay_mode)
 
 
 def _monitor(spec, groups: ProcessGroups, settings: dict, tap):
