@@ -152,6 +152,18 @@ def test_matches_transformers_balancing_loss_times_k():
         (dict(mode="observe"), "nothing to compute"),
         (dict(mode="off", coeff=1e-3), "mode='off' ignores"),
         (dict(mode="off", z_coeff=1e-3), "mode='off' ignores"),
+        (
+            dict(mode="on", type="global_batch", coeff=1e-3, global_counts="rollout"),
+            "global_counts='rollout' is unknown",
+        ),
+        (
+            dict(mode="observe", type="global_batch", coeff=1e-3, global_counts="old_log_prob"),
+            "no effect with mode='observe'",
+        ),
+        (
+            dict(mode="on", type="micro_batch", coeff=1e-3, global_counts="old_log_prob"),
+            "no effect with mode='on', type='micro_batch'",
+        ),
     ],
 )
 def test_config_rejects_settings_without_effect(kwargs, message):
@@ -165,6 +177,9 @@ def test_config_accepts_and_describes():
     on = AuxLossConfig(mode="on", type="global_batch", coeff=1e-3, scope="response")
     assert on.needs_counting_pass and on.adds_gradient
     assert on.describe() == "router aux loss: on, balance global_batch coeff=0.001, tokens=response"
+    olp = AuxLossConfig(mode="on", type="global_batch", coeff=1e-3, global_counts="old_log_prob")
+    assert not olp.needs_counting_pass and olp.adds_gradient
+    assert "f from the old-log-prob pass" in olp.describe()
     observe = AuxLossConfig(mode="observe", type="global_batch", coeff=1e-3)
     assert not observe.needs_counting_pass and not observe.adds_gradient
     assert (

@@ -119,7 +119,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.recompute": "true",
         f"{engine}.param_offload": "true",
         f"{engine}.optimizer_offload": "true",
-        f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001}",
+        f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001,global_counts:old_log_prob}",
         f"{engine}.monitor.enable": "true",
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
         f"{engine}.router_replay": "disabled",

@@ -186,7 +186,7 @@ def test_dapo_loss_and_gradients_match_transformers(
 
     cluster: the A2/H100 engine settings (full recompute), the aux loss observed rather than
     applied so that the reference is the plain DAPO loss (its gradient: tests/test_aux_loss*)."""
-    observed = {**AUX_LOSS, "mode": "observe"}
+    observed = {**AUX_LOSS, "mode": "observe", "global_counts": "counting_pass"}
     extra = {
         True: dict(recompute=True, aux_loss=observed),
         False: {},
@@ -232,6 +232,62 @@ def test_router_aux_loss_on_adds_its_metrics(make_engine):
     out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
     assert out["metrics"]["moe/aux_loss/applied"] == [1.0]
     assert out["metrics"]["moe/aux_loss/load_balancing/mean"][0] > 0
+
+
+GLOBAL_BATCH = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
+
+
+def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(make_engine):
+    """One update per trainer step (the weights of the old-log-prob pass): the f counts the
+    update uses are the old-log-prob pass's, and equal the counting pass's, exactly; so are
+    the aux loss and every gradient."""
+    runs = {}
+    for counts in ("counting_pass", "old_log_prob"):
+        engine, data = make_engine(aux_loss={**GLOBAL_BATCH, "global_counts": counts}), make_batch()
+        _on_policy(engine, data)
+        hook = engine.routing.hook
+        old = hook.step_counts
+        out, grads = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+        runs[counts] = (old, (hook._count_LE, hook._count_tokens_L), out["metrics"], grads)
+    (no_old, counted, metrics, grads), (old, used, olp_metrics, olp_grads) = runs.values()
+    assert no_old is None
+    assert all(torch.equal(a, b) for a, b in zip(used, old, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(counted, old, strict=True))
+    key = "moe/aux_loss/load_balancing/mean"
+    assert olp_metrics[key] == metrics[key] and metrics[key][0] > 0
+    assert olp_grads.keys() == grads.keys()
+    assert all(torch.equal(olp_grads[n], grads[n]) for n in grads)
+
+
+def test_old_log_prob_counts_serve_one_trainer_step(make_engine):
+    """Kept over the trainer step's updates, dropped after its last: an update without a new
+    old-log-prob pass is refused rather than fed last step's counts."""
+    engine = make_engine(aux_loss={**GLOBAL_BATCH, "global_counts": "old_log_prob"})
+    data, loss_fn = make_batch(), partial(ppo_loss, config=dapo_actor_config())
+    _on_policy(engine, data)
+    with engine.train_mode():
+        tu.assign_non_tensor(data, update_lr_scheduler=False)
+        engine.train_batch(data, loss_function=loss_fn)
+        assert engine.routing.hook.step_counts is not None
+        tu.assign_non_tensor(data, update_lr_scheduler=True)
+        engine.train_batch(data, loss_function=loss_fn)
+        assert engine.routing.hook.step_counts is None
+        with pytest.raises(RuntimeError, match="old-log-prob pass skipped"):
+            engine.train_batch(data, loss_function=loss_fn)
+
+
+def test_aux_loss_settings_are_the_ones_the_readme_states():
+    """The engine default and the cluster recipe's setting, as their startup log lines."""
+    from pathlib import Path
+
+    from backend.aux_loss import AuxLossConfig
+    from recipes.dapo.config import McoreEpEngineConfig
+
+    readme = " ".join((Path(__file__).parents[1] / "recipes" / "README.md").read_text().split())
+    default = AuxLossConfig(**McoreEpEngineConfig().aux_loss).describe()
+    cluster = AuxLossConfig(**AUX_LOSS).describe()
+    assert f"engine default `{default}`" in readme
+    assert f"cluster recipe `{cluster}`" in readme
 
 
 def test_per_tensor_param_streams_the_hf_checkpoint(make_engine, tiny_hf_dir):

@@ -97,3 +97,45 @@ def test_parallel_engine_matches_world1(tp, ep, world1, tiny_hf_dir, monkeypatch
         mine = ref_lp[r["dp_rank"] * rows_per_rank : (r["dp_rank"] + 1) * rows_per_rank]
         for a, b in zip(r["log_probs"], mine, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+OLD_LOG_PROB_COUNTS = {
+    "mode": "on",
+    "type": "global_batch",
+    "coeff": 1e-2,
+    "global_counts": "old_log_prob",
+}
+
+
+def old_log_prob_counts_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
+    """One rank's aux-loss f counts after the old-log-prob pass over its DP shard."""
+    os.environ["VERL_ENGINE_DEVICE"] = "cpu"
+    from backend.device import prepare_device
+
+    prepare_device("cpu")
+    from tests import test_verl_engine as t
+
+    engine = t.build_engine(hf_dir, tp=tp, ep=ep, aux_loss=OLD_LOG_PROB_COUNTS)
+    data = t.make_batch(seeds=(engine.get_data_parallel_rank(),))
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    return {"counts": [c.clone() for c in engine.routing.hook.step_counts]}
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_old_log_prob_counts_sum_over_ranks(tp, ep, world1, tiny_hf_dir, monkeypatch):
+    """The old-log-prob pass's counts, summed over ranks (TP slices, DP replicas), are world
+    size 1's over the whole batch: every rank holds the same global f."""
+    if mcore_version() < Version("0.13") and (tp, ep) == (2, 1):
+        pytest.skip("megatron-core < 0.13 cannot run tp=2 with ep=1 and etp=1")
+    results = run_ranks(old_log_prob_counts_rank, 2, str(tiny_hf_dir), tp, ep)
+    from tests.test_verl_engine import build_engine, make_batch
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    engine = build_engine(tiny_hf_dir, aux_loss=OLD_LOG_PROB_COUNTS)
+    dp = 2 if ep == 2 else 1
+    with engine.eval_mode():
+        engine.infer_batch(make_batch(seeds=tuple(range(dp))))
+    for r in results:
+        for mine, ref in zip(r["counts"], engine.routing.hook.step_counts, strict=True):
+            assert torch.equal(mine, ref)

@@ -27,10 +27,11 @@ dp_size. Levels:
   running f (megatron-core 0.16's "global_aux_loss": micro-batch k uses the counts of
   micro-batches 1..k, so the gradient depends on the split and order, and the first
   micro-batch gets a micro-batch-level f); f from the previous step (other tokens, other
-  weights). verl's old_log_prob forward can be the counting pass when it sees the same
-  tokens with the same weights, i.e. one optimizer step per rollout batch
-  (ppo_mini_batch_size == train batch, one epoch; start_step before it); with several
-  mini-batches its counts would be stale by the updates in between.
+  weights). Option global_counts="old_log_prob" (config.py has the formula): verl's
+  old_log_prob forward, which runs anyway, counts under `hook.old_log_prob_counts()`;
+  exact when it sees the same tokens with the same weights, i.e. one optimizer step per
+  rollout batch (ppo_mini_batch_size == train batch, one epoch); with several mini-batches
+  its counts are the whole batch's, stale by the updates in between.
 With mode "observe" nothing needs counting: the value is assembled at step end.
 
 megatron-core's machinery, used and not:

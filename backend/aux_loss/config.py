@@ -11,6 +11,7 @@ from dataclasses import dataclass
 MODES = ("off", "observe", "on")
 TYPES = ("none", "micro_batch", "sequence", "global_batch")
 SCOPES = ("all", "response")
+GLOBAL_COUNTS = ("counting_pass", "old_log_prob")
 
 
 class AuxLossConfigError(ValueError):
@@ -32,6 +33,14 @@ class AuxLossConfig:
     coeff: weight of each layer's balancing loss (summed over layers, as megatron-core does);
     Qwen3's released config uses 0.001. z_coeff: weight of each layer's router z-loss.
     scope: tokens that count, all (non-padding) | response (response tokens only).
+    global_counts: where global_batch's f_i = C_i / (k * N) comes from when mode is on.
+      counting_pass: the optimizer step's batch at the update's weights, counted by an extra
+        no-grad forward before the first backward (exact; +1 forward per optimizer step).
+      old_log_prob: the trainer step's batch as routed in the old-log-prob forward that
+        verl runs anyway, C_i and N summed over all its micro-batches and ranks. Mini-batch
+        j of m then minimises E * sum_i f_i(theta_old, whole batch) * P_i(theta_j, batch j):
+        equal to counting_pass for j = 1 when m = 1 (theta_1 = theta_old, same tokens), and
+        otherwise counts stale by j - 1 optimizer updates and taken over all m mini-batches.
     """
 
     mode: str = "off"
@@ -39,11 +48,20 @@ class AuxLossConfig:
     coeff: float = 0.0
     z_coeff: float = 0.0
     scope: str = "all"
+    global_counts: str = "counting_pass"
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
         _choice("type", self.type, TYPES)
         _choice("scope", self.scope, SCOPES)
+        _choice("global_counts", self.global_counts, GLOBAL_COUNTS)
+        if self.counts_from_old_log_prob and not (
+            self.mode == "on" and self.type == "global_batch"
+        ):
+            raise AuxLossConfigError(
+                f"aux_loss.global_counts='old_log_prob' has no effect with mode={self.mode!r}, "
+                f"type={self.type!r}: use it with mode='on', type='global_batch'"
+            )
         for name in ("coeff", "z_coeff"):
             if getattr(self, name) < 0:
                 raise AuxLossConfigError(
@@ -81,9 +99,16 @@ class AuxLossConfig:
         return self.mode == "on"
 
     @property
+    def counts_from_old_log_prob(self) -> bool:
+        return self.global_counts == "old_log_prob"
+
+    @property
     def needs_counting_pass(self) -> bool:
-        """global_batch with a gradient needs the step's routing counts before any backward."""
-        return self.adds_gradient and self.type == "global_batch"
+        """global_batch with a gradient needs the step's routing counts before any backward:
+        from a counting pass unless the old-log-prob pass gives them."""
+        return (
+            self.adds_gradient and self.type == "global_batch" and not self.counts_from_old_log_prob
+        )
 
     def describe(self) -> str:
         """One line for the startup log, so the setting is visible in every run."""
@@ -92,6 +117,8 @@ class AuxLossConfig:
         parts = [f"router aux loss: {self.mode}"]
         if self.type != "none":
             parts.append(f"balance {self.type} coeff={self.coeff:g}")
+        if self.counts_from_old_log_prob:
+            parts.append("f from the old-log-prob pass")
         if self.z_coeff:
             parts.append(f"z-loss coeff={self.z_coeff:g}")
         parts.append(f"tokens={self.scope}")

@@ -12,6 +12,13 @@ Lifecycle per optimizer step (see the package docstring for the scaling):
         loss(mb).backward()                      # aux gradient rides on the router outputs
     metrics = hook.end_step()                    # flat `moe/aux_loss/...` dict
 
+With global_counts="old_log_prob" the counts come instead from a forward that runs anyway,
+before the trainer step's first start_step, and serve all its optimizer steps:
+
+    with hook.old_log_prob_counts(): for mb, m in ...: hook.set_tokens(m); forward(mb)
+    ... optimizer steps as above, without the counting pass ...
+    hook.drop_old_log_prob_counts()              # after the trainer step's last update
+
 Each router call's listener computes this call's share of the step loss; a forward hook
 on the same router (registered after the tap's, so it runs right after) attaches it.
 Calls are logged when they are not a recompute replay, and carry a gradient when grad is
@@ -33,7 +40,7 @@ from backend.aux_loss.metrics import metric_dict
 from backend.distributed import ProcessGroups
 from backend.router_tap import RouterCall
 
-IDLE, STEP, COUNTING = "idle", "step", "counting"
+IDLE, STEP, COUNTING, OLD_LOG_PROB = "idle", "step", "counting", "old_log_prob"
 
 
 class AuxLossHook:
@@ -71,6 +78,7 @@ class AuxLossHook:
         self.grad_scale = float(grad_scale)
         self._phase, self._pending, self._handles = IDLE, {}, []
         self._valid_BS: torch.Tensor | None = None
+        self.step_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # ([L, E], [L])
         self._device = next(sites[0].module.parameters()).device  # the routers' device
         if config.active:
             tap.add_listener(self._on_call)
@@ -120,6 +128,9 @@ class AuxLossHook:
                 "no valid token in this step's masks: check scope and masks, or skip the step"
             )
         self._reset(self._device)
+        if self.config.counts_from_old_log_prob and self.step_counts is not None:
+            self._count_LE, self._count_tokens_L = (c.clone() for c in self.step_counts)
+            self._have_counts = True
         self._phase = STEP
 
     @contextmanager
@@ -136,6 +147,29 @@ class AuxLossHook:
         self._all_reduce(self._count_LE, "world")
         self._all_reduce(self._count_tokens_L, "world")
         self._have_counts = True
+
+    @contextmanager
+    def old_log_prob_counts(self) -> Iterator[None]:
+        """Forwards inside (the old-log-prob pass) count routing for the next optimizer steps'
+        global_batch f: C_i and N summed over the pass's micro-batches and all ranks, kept in
+        `step_counts` until drop_old_log_prob_counts()."""
+        if self._phase != IDLE:
+            raise RuntimeError("old_log_prob_counts() inside a step: use it before start_step")
+        L, E = self.num_layers, self.num_experts
+        self._count_LE = torch.zeros(L, E, dtype=torch.int64, device=self._device)
+        self._count_tokens_L = torch.zeros(L, dtype=torch.int64, device=self._device)
+        self._phase, self.step_counts = OLD_LOG_PROB, None
+        try:
+            yield
+        finally:
+            self._phase = IDLE
+        self._all_reduce(self._count_LE, "world")
+        self._all_reduce(self._count_tokens_L, "world")
+        self.step_counts = (self._count_LE, self._count_tokens_L)
+
+    def drop_old_log_prob_counts(self) -> None:
+        """Forget the old-log-prob counts (their trainer step is over)."""
+        self.step_counts = None
 
     def end_step(self) -> dict[str, float]:
         """Reduce the step's values over ranks; return the flat `moe/aux_loss/...` metrics."""
@@ -171,7 +205,7 @@ class AuxLossHook:
             raise ValueError(
                 "aux loss needs a token mask: call hook.set_tokens(valid_BS) before each forward"
             )
-        if self._phase == COUNTING:
+        if self._phase in (COUNTING, OLD_LOG_PROB):
             self._count_LE[call.layer] += losses.routed_counts_E(call.chosen_map_TE, call.valid_T)
             self._count_tokens_L[call.layer] += call.valid_T.sum()
             return
@@ -258,6 +292,12 @@ class AuxLossHook:
         self._pending.clear()
 
     def _global_f_E(self, layer: int) -> torch.Tensor:
+        if not self._have_counts and self.config.counts_from_old_log_prob:
+            raise RuntimeError(
+                "global_batch aux loss with global_counts='old_log_prob' needs this trainer "
+                "step's old-log-prob pass counted under `hook.old_log_prob_counts()` before the "
+                "update: is the old-log-prob pass skipped? Use global_counts='counting_pass'"
+            )
         if not self._have_counts:
             raise RuntimeError(
                 "global_batch aux loss needs the step's routing counts: run the "

@@ -27,7 +27,8 @@ class McoreEpEngineConfig(EngineConfig):
     Parallel sizes use verl's megatron spellings. recompute: full activation recompute, one
     layer per checkpoint. experts / attention: backend.model.BuildOptions' choices ("auto": our
     grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
-    z_coeff, scope). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
+    z_coeff, scope, global_counts); off by default, as verl's engines for Qwen3-MoE RL (the
+    cluster recipe turns it on: recipes/README.md, "Router aux loss"). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
     timing: per-step `timing/*` metrics and the communication-share warning (backend.timing;
     on by default: its sections cost under 1% of a step). timing_dispatch: also time every MoE
     layer's token dispatch / combine (off by default: +2.7% on the tiny model on CPU).

@@ -407,6 +407,7 @@ class McoreEpEngine(BaseEngine):
         outputs = super().train_batch(data, loss_function)
         self._timing = add_steps(self._timing, self.timer.step_end())
         if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
+            self.routing.end_trainer_step()
             outputs["metrics"].update({k: [v] for k, v in self._step_timing().items()})
         return outputs
 

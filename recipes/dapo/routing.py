@@ -2,7 +2,9 @@
 
 Both listen to one RouterTap on the model. Per optimizer step:
   start_step(masks) -> [counting pass] -> per micro-batch set_tokens + fwd/bwd -> end_step()
-and forward-only passes (old log-probs, reference) are counted under their own phase.
+and forward-only passes (old log-probs, reference) are counted under their own phase; with
+aux_loss.global_counts="old_log_prob" the old-log-prob phase also counts the global_batch f
+of the trainer step's updates (no counting pass), forgotten at end_trainer_step().
 Either instrument is off when its package is absent or its setting says so; the startup
 log line says which.
 
@@ -71,8 +73,23 @@ class Routing:
     def needs_counting_pass(self) -> bool:
         return self.hook is not None and self.hook.config.needs_counting_pass
 
+    @contextmanager
     def phase(self, name: str):
-        return self.monitor.phase(name) if self.monitor else nullcontext()
+        """A forward pass of this phase: monitored; "old_log_prob" counts the aux loss's f
+        when it is taken from there."""
+        with self.monitor.phase(name) if self.monitor else nullcontext():
+            with self._step_counts() if name == "old_log_prob" else nullcontext():
+                yield
+
+    def _step_counts(self):
+        if self.hook is None or not self.hook.config.counts_from_old_log_prob:
+            return nullcontext()
+        return self.hook.old_log_prob_counts()
+
+    def end_trainer_step(self) -> None:
+        """After a trainer step's last update: its old-log-prob counts are spent."""
+        if self.hook:
+            self.hook.drop_old_log_prob_counts()
 
     def set_tokens(self, valid_BS: torch.Tensor, response_BS: torch.Tensor | None) -> None:
         if self.hook:
