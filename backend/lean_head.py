@@ -47,9 +47,10 @@ def output_weight_VH(gpt) -> torch.Tensor:
 
 
 @contextmanager
-def _output_layer_skipped(gpt, stash: list):
-    """GPTModel's output layer returns nothing (an empty last dim) and stashes its input."""
-    layer = gpt.output_layer
+def output_layer_skipped(model):
+    """GPTModel's output layer returns nothing (an empty last dim); yields the list its
+    inputs (the final hidden states, [S(/tp), B, H]) are appended to."""
+    layer, stash = gpt_of(model).output_layer, []
 
     def skip(hidden_SBH, weight=None, runtime_gather_output=None):
         stash.append(hidden_SBH)
@@ -57,7 +58,7 @@ def _output_layer_skipped(gpt, stash: list):
 
     layer.forward = skip
     try:
-        yield
+        yield stash
     finally:
         del layer.forward
 
@@ -74,11 +75,10 @@ def forward_hidden(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
 
     from backend.forward import forward_logits
 
-    gpt, stash = gpt_of(model), []
-    with _output_layer_skipped(gpt, stash):
+    with output_layer_skipped(model) as stash:
         forward_logits(model, input_ids_BS)
     (hidden_SBH,) = stash
-    if gpt.output_layer.sequence_parallel:
+    if gpt_of(model).output_layer.sequence_parallel:
         return mappings.gather_from_sequence_parallel_region(hidden_SBH)
     if ps.get_tensor_model_parallel_world_size() > 1:
         return mappings.copy_to_tensor_model_parallel_region(hidden_SBH)
@@ -194,11 +194,10 @@ class _LeanHead(torch.autograd.Function):
                 hidden_TH[sl], weight_VH, labels_T[sl], temperature_T[sl], lse_T[sl],
                 entropy_T[sl], *grads, ctx.vocab_start,
             )  # fmt: skip
-            grad_CV = grad_CV.to(weight_VH.dtype)
+            if grad_weight_VH is not None:  # from the fp32 gradient, accumulated in fp32
+                grad_weight_VH.addmm_(grad_CV.t(), hidden_TH[sl].float())
             if grad_hidden_TH is not None:
-                grad_hidden_TH[sl] = grad_CV @ weight_VH
-            if grad_weight_VH is not None:
-                grad_weight_VH.addmm_(grad_CV.t().float(), hidden_TH[sl].float())
+                grad_hidden_TH[sl] = grad_CV.to(weight_VH.dtype) @ weight_VH
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
         return grad_hidden_TH, grad_weight_VH, None, None, None, None
