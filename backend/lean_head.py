@@ -99,6 +99,8 @@ def lean_log_probs(
     """
     chunk = chunk or chunk_tokens(weight_VH.shape[0])
     temperature_T = temperature_T.to(hidden_TH.device, torch.float32)
+    if bool((temperature_T == 1).all()):
+        temperature_T = None  # skips two [C, V/tp] passes per chunk
     logp_T, entropy_T = _LeanHead.apply(
         hidden_TH, weight_VH, labels_T, temperature_T, entropy, chunk
     )
@@ -115,10 +117,15 @@ def _tp():
 
 
 def _chunk_logits_CV(hidden_CH, weight_VH, temperature_C) -> torch.Tensor:
-    """z = (h W^T).float() / temp: one fp32 [C, V/tp] buffer (the matmul in the weight's dtype)."""
+    """z = (h W^T).float() / temp: one fp32 [C, V/tp] buffer (the matmul in the weight's dtype);
+    temperature_C None: 1 everywhere."""
     logits_CV = hidden_CH @ weight_VH.t()
     logits_CV = logits_CV.float() if logits_CV.dtype != torch.float32 else logits_CV
-    return logits_CV.div_(temperature_C[:, None])
+    return logits_CV if temperature_C is None else logits_CV.div_(temperature_C[:, None])
+
+
+def _rows(tensor_T, sl):
+    return None if tensor_T is None else tensor_T[sl]
 
 
 def _local_label_C1(labels_C, vocab_start: int, vocab_local: int):
@@ -165,20 +172,22 @@ class _LeanHead(torch.autograd.Function):
         lse_T, entropy_T = torch.empty_like(logp_T), torch.empty_like(logp_T)
         for lo in range(0, hidden_TH.shape[0], chunk):
             sl = slice(lo, lo + chunk)
-            z_CV = _chunk_logits_CV(hidden_TH[sl], weight_VH, temperature_T[sl])
+            z_CV = _chunk_logits_CV(hidden_TH[sl], weight_VH, _rows(temperature_T, sl))
             logp_T[sl], lse_T[sl], ent_C = _chunk_stats(
                 z_CV, labels_T[sl], vocab_start, group, entropy
             )
             if entropy:
                 entropy_T[sl] = ent_C
-        ctx.save_for_backward(hidden_TH, weight_VH, labels_T, temperature_T, lse_T, entropy_T)
+        ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T, entropy_T)
+        ctx.temperature_T = temperature_T
         ctx.vocab_start, ctx.chunk, ctx.entropy = vocab_start, chunk, entropy
         ctx.set_materialize_grads(False)
         return logp_T, entropy_T
 
     @staticmethod
     def backward(ctx, grad_logp_T, grad_entropy_T):
-        hidden_TH, weight_VH, labels_T, temperature_T, lse_T, entropy_T = ctx.saved_tensors
+        hidden_TH, weight_VH, labels_T, lse_T, entropy_T = ctx.saved_tensors
+        temperature_T = ctx.temperature_T
         if not ctx.entropy:
             grad_entropy_T = None
         grad_hidden_TH = torch.zeros_like(hidden_TH) if ctx.needs_input_grad[0] else None
@@ -191,7 +200,7 @@ class _LeanHead(torch.autograd.Function):
             sl = slice(lo, lo + ctx.chunk)
             grads = (g[sl] if g is not None else None for g in (grad_logp_T, grad_entropy_T))
             grad_CV = _chunk_grad_logits_CV(
-                hidden_TH[sl], weight_VH, labels_T[sl], temperature_T[sl], lse_T[sl],
+                hidden_TH[sl], weight_VH, labels_T[sl], _rows(temperature_T, sl), lse_T[sl],
                 entropy_T[sl], *grads, ctx.vocab_start,
             )  # fmt: skip
             if grad_weight_VH is not None:  # from the fp32 gradient, accumulated in fp32
@@ -220,4 +229,4 @@ def _chunk_grad_logits_CV(
         grad_CV = p_CV.mul_(-g_logp_C[:, None])
     col_C1, on_rank_C = _local_label_C1(labels_C, vocab_start, grad_CV.shape[1])
     grad_CV.scatter_add_(1, col_C1, (g_logp_C * on_rank_C)[:, None])
-    return grad_CV.div_(temperature_C[:, None])
+    return grad_CV if temperature_C is None else grad_CV.div_(temperature_C[:, None])
