@@ -8,12 +8,15 @@ Terms, per device of the heaviest pipeline stage (megatron DDP + distributed opt
   activations parallel.activations (per layer per token, top-k replication, tp/sp, cp);
               the expert side scaled by the EP routing skew s (ep_skew, capped at ep)
   dispatch    the dispatch/combine buffers of the MoE layer in flight, scaled by s
-  logits      last stage: T/cp tokens x padded_vocab/tp x LOGIT_BYTES (bf16 logits, their
-              fp32 copy and the fp32 softmax kept for the log-prob/entropy backward), plus the
-              final-norm and output-layer inputs
+  logits      last stage: the log-prob head (parallel.heads): the lean head's chunk buffers,
+              hidden states and fp32 output-weight gradient (the engine's), or with
+              lean_heads=False T/cp tokens x padded_vocab/tp x 10 B (bf16 logits, their fp32
+              copy and the fp32 softmax kept for backward); plus the final-norm and
+              output-layer inputs
   runtime     device context and communicator buffers (RUNTIME_GIB, an allowance)
 Two columns: the peak during an actor update, and what stays on the device between
-updates while rollout runs. verl's param_offload copies params to host and releases the
+updates while rollout runs. Beside them, the peak of the log-prob pass (old log-probs with
+entropy, no grad, log_prob_tokens per micro-batch) on the last stage, full logits and lean. verl's param_offload copies params to host and releases the
 grad buffers between updates; optimizer_offload moves the optimizer state. Both load
 everything back for the update, so they shrink the second column, not the first.
 """
@@ -26,6 +29,7 @@ from parallel.activations import (
     dispatch_buffer_bytes,
     stage_activation_bytes,
 )
+from parallel.heads import head_bytes
 from parallel.params import DeviceParams, device_params
 from parallel.plan import ModelFit
 
@@ -33,7 +37,6 @@ GIB = 2**30
 DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Ascend A2, H100 SXM
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU"}
 HEADROOM = 0.9  # past this share of device memory, fragmentation and transient buffers bite
-LOGIT_BYTES = 10
 RUNTIME_GIB = 2.0
 
 
@@ -48,10 +51,18 @@ class MemoryOptions:
     activation_bytes: int = 2  # bf16
     # tokens on the busiest EP rank / the EP mean (1: balanced); parallel.skew picks it
     ep_skew: float = 1.0
+    lean_heads: bool = True  # backend.lean_head (the engine's); False: full logits
+    # tokens of one log-prob (no grad) micro-batch; None: twice micro_batch_tokens, as
+    # recipes/dapo sets log_prob_max_token_len_per_gpu
+    log_prob_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.ep_skew >= 1.0:  # also rejects NaN
             raise ValueError(f"ep_skew={self.ep_skew} must be >= 1 (busiest EP rank over the mean)")
+
+    @property
+    def log_prob_micro_tokens(self) -> int:
+        return self.log_prob_tokens or 2 * self.micro_batch_tokens
 
     def skew_for(self, ep: int) -> float:
         """The skew the plan can see: max over mean of ep ranks is at most ep."""
@@ -67,11 +78,28 @@ class MemoryRow:
 
 
 @dataclass(frozen=True)
+class LogProbPass:
+    """Peak of the log-prob pass on the last stage: the head with full logits and lean, and
+    what else is on the device then (params, grads and optimizer unless offloaded, runtime,
+    the MoE dispatch buffers of the layer in flight)."""
+
+    tokens: int
+    full_head: float
+    lean_head: float
+    resident: float
+
+    @property
+    def ratio(self) -> float:
+        return self.lean_head / self.full_head
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     stage: int  # the heaviest pipeline stage, which the rows describe
     params: DeviceParams
     rows: tuple[MemoryRow, ...]
     device_memory_gib: float | None
+    log_prob_pass: LogProbPass | None = None
 
     @property
     def update_bytes(self) -> float:
@@ -103,12 +131,35 @@ def _offloadable(name: str, nbytes: float, offloaded: bool, to_host: bool = True
     )
 
 
-def _logits_bytes(fit: ModelFit, stage: int, options: MemoryOptions) -> float:
+def _logits_bytes(
+    fit: ModelFit, stage: int, options: MemoryOptions, grad: bool = True, lean: bool | None = None
+) -> float:
     if stage != fit.plan.pp - 1:
         return 0.0
-    plan, tokens = fit.plan, options.micro_batch_tokens
-    head_inputs = 2 * tokens / (plan.tp * plan.cp) * fit.spec.hidden_size * options.activation_bytes
-    return tokens / plan.cp * fit.padded_vocab / plan.tp * LOGIT_BYTES + head_inputs
+    plan, h, b = fit.plan, fit.spec.hidden_size, options.activation_bytes
+    tokens = options.micro_batch_tokens if grad else options.log_prob_micro_tokens
+    lean = options.lean_heads if lean is None else lean
+    head_inputs = 2 * tokens / (plan.tp * plan.cp) * h * b
+    vocab_local = fit.padded_vocab / plan.tp
+    return head_bytes(tokens / plan.cp, vocab_local, h, b, lean, grad) + head_inputs
+
+
+def log_prob_pass(fit: ModelFit, options: MemoryOptions) -> LogProbPass:
+    """The log-prob pass's peak on the last stage (LogProbPass)."""
+    stage, plan = fit.plan.pp - 1, fit.plan
+    params = device_params(fit, stage)
+    optimizer = 12 * params.dense / (plan.dp * plan.cp) + 12 * params.expert / plan.edp
+    tokens = options.log_prob_micro_tokens
+    resident = (
+        2 * params.total
+        + (0.0 if options.offload_params else 4 * params.total)
+        + (0.0 if options.offload_optimizer else optimizer)
+        + RUNTIME_GIB * GIB
+        + dispatch_buffer_bytes(fit.spec, plan, tokens, options.activation_bytes,
+                                ep_skew=options.skew_for(plan.ep))
+    )  # fmt: skip
+    full, lean = (_logits_bytes(fit, stage, options, False, lean) for lean in (False, True))
+    return LogProbPass(tokens, full, lean, resident)
 
 
 def stage_rows(
@@ -142,7 +193,12 @@ def stage_rows(
         ),
         MemoryRow(f"activations ({recompute}, {skew:g}x EP skew)", activations, 0.0, 0.0),
         MemoryRow("MoE dispatch/combine buffers", buffers, 0.0, 0.0),
-        MemoryRow("logits and output layer", _logits_bytes(fit, stage, options), 0.0, 0.0),
+        MemoryRow(
+            f"logits and output layer ({'lean head' if options.lean_heads else 'full logits'})",
+            _logits_bytes(fit, stage, options),
+            0.0,
+            0.0,
+        ),
         MemoryRow("runtime (context, comm buffers)", runtime, runtime, 0.0),
     )
 
@@ -150,10 +206,11 @@ def stage_rows(
 def estimate_memory(fit: ModelFit, options: MemoryOptions) -> MemoryEstimate:
     """Memory of the pipeline stage with the highest update peak."""
     estimates = []
+    passes = log_prob_pass(fit, options)
     for stage in range(fit.plan.pp):
         params = device_params(fit, stage)
         rows = stage_rows(fit, stage, params, options)
-        estimates.append(MemoryEstimate(stage, params, rows, options.device_memory_gib))
+        estimates.append(MemoryEstimate(stage, params, rows, options.device_memory_gib, passes))
     return max(estimates, key=lambda e: e.update_bytes)
 
 
@@ -176,6 +233,8 @@ def format_memory(estimate: MemoryEstimate, pp: int) -> str:
         f"  {'total':<42}{_gib(estimate.update_bytes)}  {_gib(estimate.idle_bytes)}  "
         f"{_gib(estimate.host_bytes)}"
     )
+    if estimate.log_prob_pass is not None:
+        lines.append(log_prob_pass_line(estimate.log_prob_pass))
     if estimate.utilization is not None:
         verdict = "fits" if estimate.fits else f"does NOT fit (limit {HEADROOM:.0%})"
         lines.append(
@@ -183,3 +242,13 @@ def format_memory(estimate: MemoryEstimate, pp: int) -> str:
             f"{estimate.device_memory_gib:g} GiB: {verdict}"
         )
     return "\n".join(lines)
+
+
+def log_prob_pass_line(p: LogProbPass) -> str:
+    """One line: the log-prob pass's head and peak, full logits -> lean."""
+    return (
+        f"  log-prob pass (no grad, entropy, {p.tokens} tokens, last stage): head "
+        f"{p.full_head / GIB:.2f} GiB full logits -> {p.lean_head / GIB:.2f} GiB lean "
+        f"({p.ratio:.2f}x); peak {(p.resident + p.full_head) / GIB:.2f} -> "
+        f"{(p.resident + p.lean_head) / GIB:.2f} GiB"
+    )

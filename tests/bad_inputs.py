@@ -411,7 +411,7 @@ PLANNER = [
         "a plan that does NOT fit (a finding)",
         lambda c: ["--ep", "8", "--nodes", "4", "--micro-batch-tokens", "65536"],
         1,
-        "  update peak 1189% of 64 GiB: does NOT fit (limit 90%)",
+        "  update peak 1048% of 64 GiB: does NOT fit (limit 90%)",
         stream="out",
     ),
     Case(

@@ -9,7 +9,9 @@ BaseEngine calls verl's workers make map onto our code:
                       (each rank reads only its tensors) -> router instruments -> optimizer
   train_mode/eval_mode  verl's offload context + model.train()/eval()
   forward_backward_batch  nested batch -> padded micro-batches (recipes.dapo.batches) ->
-                      log-probs/entropy (recipes.dapo.heads) -> verl's loss_function -> backward
+                      log-probs/entropy (recipes.dapo.heads: backend.lean_head, chunked, the
+                      output projection fused, no [T, V/tp] logits held) -> verl's loss_function
+                      -> backward
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  recipes.dapo.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
@@ -340,10 +342,12 @@ class McoreEpEngine(BaseEngine):
         out["metrics"].update({k: [v] for k, v in metrics.items()})
 
     def _counting_pass(self, mbs, routes) -> None:
-        """Routing counts of the whole step before any backward (global_batch aux loss)."""
+        """Routing counts of the whole step before any backward (global_batch aux loss);
+        the output layer is skipped (no logits: only the routers' counts are read)."""
         from backend.forward import forward_logits
+        from backend.lean_head import output_layer_skipped
 
-        with self.routing.counting(), torch.no_grad():
+        with self.routing.counting(), torch.no_grad(), output_layer_skipped(self.model):
             for mb, r in zip(mbs, routes, strict=True):
                 self.routing.set_tokens(mb.valid_BS, mb.response_BS)
                 self.routing.set_routes(**r)

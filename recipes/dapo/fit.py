@@ -27,7 +27,15 @@ Measure them (npu-smi / nvidia-smi per process) before trusting the last decimal
 import math
 from dataclasses import dataclass
 
-from parallel.memory import DEVICE_MEMORY_GIB, GIB, HEADROOM, MemoryOptions, estimate_memory
+from parallel.memory import (
+    DEVICE_MEMORY_GIB,
+    GIB,
+    HEADROOM,
+    LogProbPass,
+    MemoryOptions,
+    estimate_memory,
+    log_prob_pass_line,
+)
 from parallel.params import param_counts
 from parallel.plan import ModelFit, PlanError
 
@@ -55,6 +63,7 @@ class Fit:
     context_gib: float = 0.0  # the second device context (vLLM's process)
     comm_gib: float = 0.0  # collective buffers of every communicator on the chip
     comms: int = 0
+    log_prob: LogProbPass | None = None  # the old-log-prob pass's peak, full logits and lean
 
     @property
     def shared_gib(self) -> float:
@@ -86,7 +95,7 @@ class Fit:
             f"(>= {MIN_KV_CACHE_GIB:g} needed)",
             f"offload: {offload} (the least that fits); vLLM gpu_memory_utilization "
             f"{self.gpu_memory_utilization:.2f}",
-        ]
+        ] + ([log_prob_pass_line(self.log_prob).strip()] if self.log_prob else [])
 
 
 def fit_rollout(fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp: int) -> Fit:
@@ -117,7 +126,7 @@ def fit_rollout(fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp:
         if kv_gib >= MIN_KV_CACHE_GIB:
             return Fit(
                 device_gib, est.update_bytes / GIB, idle_gib, weights_gib, kv_gib, params,
-                optimizer, context_gib, comm_gib, comms,
+                optimizer, context_gib, comm_gib, comms, est.log_prob_pass,
             )  # fmt: skip
     raise PlanError(
         f"vLLM weights ({weights_gib:.1f} GiB per device at rollout TP {rollout_tp}) leave under "

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.forward import forward_logits, token_log_probs
+from backend.lean_head import forward_hidden, gpt_of, lean_log_probs, output_weight_VH
 
 
 def _temperature_B11(temperature, batch: int, device) -> torch.Tensor | float:
@@ -22,8 +23,42 @@ def _temperature_B11(temperature, batch: int, device) -> torch.Tensor | float:
     return max(value, 1e-8)
 
 
-def head_outputs(model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False) -> dict:
-    """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32."""
+def _temperature_B(temperature, batch: int, device) -> torch.Tensor:
+    scale = _temperature_B11(temperature, batch, device)
+    if isinstance(scale, float):
+        return torch.full((batch,), scale, dtype=torch.float32, device=device)
+    return scale.view(batch)
+
+
+def head_outputs(
+    model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False, lean: bool = True
+) -> dict:
+    """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32.
+
+    lean: backend.lean_head (chunked, the output projection fused, no [T, V/tp] logits held);
+    otherwise the full logits (full_head_outputs), the reference it is tested against.
+    """
+    if not lean:
+        return full_head_outputs(model, ids_BS, temperature, entropy)
+    hidden_SBH = forward_hidden(model, ids_BS)
+    s, b, h = hidden_SBH.shape
+    labels_SB = F.pad(ids_BS[:, 1:], (0, 1)).t()  # the last position's label is never read
+    temperature_SB = _temperature_B(temperature, b, ids_BS.device).expand(s, b)
+    logp_T, entropy_T = lean_log_probs(
+        hidden_SBH.reshape(s * b, h),
+        output_weight_VH(gpt_of(model)),
+        labels_SB.reshape(-1),
+        temperature_SB.reshape(-1),
+        entropy,
+    )
+    out = {"log_probs": F.pad(logp_T.view(s, b).t()[:, :-1], (0, 1))}
+    if entropy:
+        out["entropy"] = entropy_T.view(s, b).t().contiguous()
+    return out
+
+
+def full_head_outputs(model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False) -> dict:
+    """head_outputs from the full [B, S, V/tp] logits (about three fp32 copies of them)."""
     logits_BSV = forward_logits(model, ids_BS)
     scale = _temperature_B11(temperature, ids_BS.shape[0], ids_BS.device)
     if not (isinstance(scale, float) and scale == 1.0):

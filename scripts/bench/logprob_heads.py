@@ -1,0 +1,183 @@
+"""Peak memory and time of the log-prob pass: full-logits heads vs the lean head, as ratios.
+
+Two passes on a one-layer Qwen3-MoE (megatron-core GPTModel, world 1, fp32 CPU) with a
+scaled-down vocab, T tokens in rows of --seq:
+- logprob: the old-log-prob pass, forward with entropy under no_grad;
+- update:  forward (log-probs, entropy off as in DAPO's update) and backward of their sum.
+Heads: "full" (recipes.dapo.heads.full_head_outputs: [B, S, V] logits and their fp32
+copies) and "lean" (backend.lean_head: chunks, the output projection fused).
+
+Peak memory: each (head, pass, T) runs in its own process, and its peak activation memory is
+that process's ru_maxrss (the kernel's high-water mark of resident memory) minus its resident
+memory just before the pass, with model, inputs and libraries loaded. torch's CPU allocator
+has no cache (every tensor is a malloc), and MALLOC_MMAP_THRESHOLD_ (fixed at 1 MiB in the
+children) makes glibc map every tensor above it on its own and unmap it when freed, so
+resident memory follows the live tensors. A pass whose peak does not rise above the
+process's earlier high-water mark is reported as unmeasured. Time: wall time of the pass,
+the best of --repeats runs after the measured one (a shared machine: expect noise).
+
+    python scripts/bench/logprob_heads.py                      # V 16384, T 8K, 16K, 32K
+    python scripts/bench/logprob_heads.py --tokens 32768 --vocab 32768
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEADS = ("full", "lean")
+PASSES = ("logprob", "update")
+TARGET = 0.5  # issue #17: lean log-prob pass peak <= 1/2 of today's at 32K tokens
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="8192,16384,32768", help="comma-separated T")
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=2048, help="tokens per row (T / seq rows)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after the measured one")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="JSON path (default: runs/bench/logprob_heads.json)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # head,pass,tokens: one measurement
+    return p.parse_args(argv)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def build(args):
+    from backend.device import prepare_device
+    from backend.distributed import init_parallel
+    from backend.hf_config import load_qwen3_moe_spec
+    from backend.model import BuildOptions, build_model
+    from recipes.local.tiny_model import tiny_config
+
+    groups = init_parallel(prepare_device("cpu"))
+    config = tiny_config(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=256,
+        max_position_embeddings=max(args.seq, 256),
+    )  # fmt: skip
+    opts = BuildOptions(experts="grouped", attention="sdpa")  # SDPA: no [S, S] scores
+    return build_model(load_qwen3_moe_spec(config), groups, opts)
+
+
+def run_pass(model, ids_BS, head: str, which: str, temperature: float) -> None:
+    import torch
+
+    from recipes.dapo.heads import head_outputs
+
+    lean = head == "lean"
+    if which == "logprob":
+        with torch.no_grad():
+            head_outputs(model, ids_BS, temperature, entropy=True, lean=lean)
+        return
+    out = head_outputs(model, ids_BS, temperature, entropy=False, lean=lean)
+    out["log_probs"].sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def child(args) -> dict:
+    import gc
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    head, which, tokens = args.child.split(",")
+    model = build(args)
+    rows = int(tokens) // args.seq
+    ids_BS = torch.randint(
+        0, args.vocab, (rows, args.seq), generator=torch.Generator().manual_seed(0)
+    )
+    gc.collect()
+    before, high_before = _rss_bytes(), _max_rss_bytes()
+    start = time.perf_counter()
+    run_pass(model, ids_BS, head, which, args.temperature)
+    seconds = [time.perf_counter() - start]
+    peak = _max_rss_bytes()
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run_pass(model, ids_BS, head, which, args.temperature)
+        seconds.append(time.perf_counter() - start)
+    measured = peak > high_before
+    return {
+        "head": head, "pass": which, "tokens": int(tokens),
+        "peak_bytes": peak - before if measured else None,
+        "seconds": min(seconds[1:] or seconds),
+    }  # fmt: skip
+
+
+def measure(args, head: str, which: str, tokens: int) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20), "OMP_NUM_THREADS": str(args.threads)}
+    shape = ("vocab", "hidden", "seq", "temperature", "repeats", "threads")
+    argv = [f"--{k}={getattr(args, k)}" for k in shape]
+    cmd = [sys.executable, __file__, *argv, "--child", f"{head},{which},{tokens}"]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"child {head},{which},{tokens} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _mib(nbytes) -> str:
+    return f"{nbytes / 2**20:9.0f}" if nbytes is not None else "      n/a"
+
+
+def report(results: list[dict]) -> list[str]:
+    by = {(r["head"], r["pass"], r["tokens"]): r for r in results}
+    lines = [
+        f"{'pass':<8}{'T':>7}  {'full MiB':>9}  {'lean MiB':>9}  {'mem ratio':>9}  "
+        f"{'full s':>7}  {'lean s':>7}  {'time ratio':>10}"
+    ]
+    for which in PASSES:
+        for tokens in sorted({r["tokens"] for r in results}):
+            full, lean = by[("full", which, tokens)], by[("lean", which, tokens)]
+            mem = (
+                f"{lean['peak_bytes'] / full['peak_bytes']:9.3f}"
+                if full["peak_bytes"] and lean["peak_bytes"]
+                else "      n/a"
+            )
+            lines.append(
+                f"{which:<8}{tokens:>7}  {_mib(full['peak_bytes'])}  {_mib(lean['peak_bytes'])}  "
+                f"{mem}  {full['seconds']:7.2f}  {lean['seconds']:7.2f}  "
+                f"{lean['seconds'] / full['seconds']:10.2f}"
+            )
+    return lines
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.child:
+        print(json.dumps(child(args)))
+        return []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    print(
+        f"log-prob heads, fp32 CPU, one-layer Qwen3-MoE, V {args.vocab}, hidden {args.hidden}, "
+        f"rows of {args.seq}, temperature {args.temperature}; peak = ru_maxrss - RSS before "
+        "the pass, one process each; ratios lean / full"
+    )
+    results = [measure(args, h, w, t) for t in tokens for w in PASSES for h in HEADS]
+    print("\n".join(report(results)))
+    out = Path(args.out or REPO / "runs/bench/logprob_heads.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
