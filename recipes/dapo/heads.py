@@ -22,9 +22,15 @@ def _temperature_B11(temperature, batch: int, device) -> torch.Tensor | float:
     return max(value, 1e-8)
 
 
-def head_outputs(model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False) -> dict:
-    """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32."""
-    logits_BSV = forward_logits(model, ids_BS)
+def head_outputs(
+    model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False, packed=None
+) -> dict:
+    """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32.
+
+    packed: PackedSeqParams of a packed [1, T] row (backend.forward.forward_logits); the
+    log-prob at each sequence's last token then reads the next sequence's first: the caller
+    masks it (MicroBatch.has_next_BS)."""
+    logits_BSV = forward_logits(model, ids_BS, packed=packed)
     scale = _temperature_B11(temperature, ids_BS.shape[0], ids_BS.device)
     if not (isinstance(scale, float) and scale == 1.0):
         logits_BSV = logits_BSV.float() / scale
