@@ -146,3 +146,35 @@ def test_packed_monitor_counts_real_tokens_only(make_engine):
     with engine.train_mode():
         out = engine.train_batch(data, loss_function=partial(ppo_loss, config=dapo_actor_config()))
     assert out["metrics"]["moe/update/tokens"] == [2 * sum(p + r for p, r in LENGTHS)]
+
+
+def test_packed_r3_forces_the_rollout_routes_on_every_fed_token(make_engine):
+    from tests.test_router_replay import (
+        LAYERS,
+        Watch,
+        forced_mismatches,
+        marked_batch,
+        rollout_routes,
+    )
+
+    engine = make_engine(packed=True, router_replay="R3")
+    data = marked_batch(max_tokens=32)
+    data["routed_experts"] = rollout_routes(data)
+    watch = Watch(engine)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    checked, wrong, _ = forced_mismatches(watch)
+    assert checked == LAYERS * sum(p + r - 1 for p, r in LENGTHS) and wrong == 0
+
+
+def test_packed_r2_records_the_padded_paths_routes(make_engine):
+    from tests.test_router_replay import marked_batch
+
+    recorded = []
+    for packed in (False, True):
+        engine = make_engine(attention="sdpa", packed=packed, router_replay="R2")
+        with engine.eval_mode():
+            out = engine.infer_batch(marked_batch(max_tokens=32))
+        recorded.append(out["model_output"]["routed_experts"])
+    for a, b in zip(*(r.unbind() for r in recorded), strict=True):
+        assert torch.equal(a, b)
