@@ -110,7 +110,8 @@ class SDPAttention(MegatronModule):
         device = q_THD.device.type
         if device == "npu":
             return self._npu_packed(q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, dropout)
-        varlen = _flash_varlen() if device == "cuda" else None
+        half = q_THD.dtype in (torch.float16, torch.bfloat16)  # flash-attn's dtypes
+        varlen = _flash_varlen() if device == "cuda" and half else None
         if varlen is not None:
             out_THD = varlen(
                 q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, packed.cu_seqlens_kv,

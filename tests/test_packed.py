@@ -121,17 +121,31 @@ def test_packed_log_probs_and_entropy_equal_padded(engines, max_tokens):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"{key} row {row}")
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-def test_packed_loss_and_gradients_equal_padded(make_engine, recompute):
+AUX_ON = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"recompute": True}, {"aux_loss": AUX_ON, "recompute": True}],
+    ids=["plain", "recompute", "aux-loss-global-batch"],
+)
+def test_packed_loss_and_gradients_equal_padded(make_engine, extra):
+    """Also with the router aux loss applied (global_batch: its counting pass runs packed)."""
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
     results = []
     for packed in (False, True):
-        engine = make_engine(attention="sdpa", packed=packed, recompute=recompute)
+        engine = make_engine(attention="sdpa", packed=packed, **extra)
         data = make_batch(max_tokens=24, seeds=(0, 1))
         _on_policy(engine, data)
         results.append(_engine_grads(engine, data, loss_fn))
     (out_pad, grads_pad), (out_pack, grads_pack) = results
     assert sum(out_pack["loss"]) == pytest.approx(sum(out_pad["loss"]), rel=1e-5)
+    moe = [k for k in out_pad["metrics"] if k.startswith("moe/")]
+    assert "moe/update/tokens" in moe
+    assert ("moe/aux_loss/applied" in moe) == ("aux_loss" in extra)
+    for key in moe:
+        values = out_pad["metrics"][key]
+        assert out_pack["metrics"][key] == pytest.approx(values, rel=1e-5, abs=1e-7), key
     assert grads_pack.keys() == grads_pad.keys()
     for name in grads_pad:
         torch.testing.assert_close(

@@ -62,7 +62,8 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        max_len = int(self.cu_seqlens.diff().max())
+        tail = self.ids_BS.shape[1] - int(self.lengths_B.sum())
+        max_len = max(int(self.lengths_B.max()), tail)  # host values: no device sync
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
