@@ -105,12 +105,15 @@ def engines(make_engine):
     return make_engine(attention="sdpa"), make_engine(attention="sdpa", packed=True)
 
 
-@pytest.mark.parametrize("max_tokens", [24, 64])
+@pytest.mark.parametrize("max_tokens", [24, 64, None], ids=["mb24", "mb64", "3-rows"])
 def test_packed_log_probs_and_entropy_equal_padded(engines, max_tokens):
+    """max_tokens None: fixed micro-batches of 3 rows (use_dynamic_bsz off)."""
     outs = []
     for engine in engines:
-        data = make_batch(max_tokens=max_tokens, seeds=(0, 1))
+        data = make_batch(max_tokens=max_tokens or 64, seeds=(0, 1))
         tu.assign_non_tensor(data, calculate_entropy=True)
+        if max_tokens is None:
+            tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
         with engine.eval_mode():
             outs.append(engine.infer_batch(data))
     padded, packed = outs
@@ -254,3 +257,21 @@ def test_packed_equals_padded_under_tp_and_ep(tp, ep, tiny_hf_dir):
                 r[packed]["grads"] = summed
     for result in results:
         _assert_same(result[False], result[True])
+
+
+def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    path = Path(__file__).parents[1] / "scripts" / "bench" / "packed_vs_padded.py"
+    spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--rows", "6", "--iters", "1", "--warmup", "0", "--response-max", "400"]
+    result = bench.main([*args, "--max-tokens", "512", "--out", str(tmp_path / "r.json")])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert set(result["ratio"]) == {"update", "old_log_prob"}
+    assert all(r > 0 for r in result["ratio"].values())
+    assert result["micro_batches"]["packed"] <= result["micro_batches"]["padded"]
