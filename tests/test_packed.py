@@ -275,3 +275,17 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
     assert set(result["ratio"]) == {"update", "old_log_prob"}
     assert all(r > 0 for r in result["ratio"].values())
     assert result["micro_batches"]["packed"] <= result["micro_batches"]["padded"]
+
+
+def test_packed_log_probs_and_entropy_match_transformers(make_engine, tiny_hf_model):
+    from tests.test_verl_engine import hf_log_probs_and_entropy
+
+    engine, data = make_engine(packed=True), make_batch(max_tokens=24)
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    with engine.eval_mode():
+        out = engine.infer_batch(data)["model_output"]
+    with torch.no_grad():
+        ref_lp, ref_ent = hf_log_probs_and_entropy(tiny_hf_model, data)
+    for ours, ref in ((out["log_probs"], ref_lp), (out["entropy"], ref_ent)):
+        for a, b in zip(ours.unbind(), ref.unbind(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
