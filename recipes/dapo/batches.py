@@ -246,12 +246,6 @@ def _nested(pieces: list[torch.Tensor], device) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets)
 
 
-def to_nested(values_BS: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """[B, S] -> jagged nested [B, j] keeping each row's first length values (differentiable)."""
-    pieces = [values_BS[row, :n] for row, n in enumerate(lengths_B.tolist())]
-    return _nested(pieces, values_BS.device)
-
-
 def restore_rows(per_mb: list[torch.Tensor], plans: list[list[int]]) -> torch.Tensor:
     """Nested outputs of the micro-batches -> one nested tensor in the caller's row order."""
     rows = [row for plan in plans for row in plan]
@@ -262,21 +256,10 @@ def restore_rows(per_mb: list[torch.Tensor], plans: list[list[int]]) -> torch.Te
     return torch.nested.as_nested_tensor(ordered, layout=torch.jagged)
 
 
-def padded_routes(routes, lengths_B: torch.Tensor, width: int, device, fed_only: bool):
+def micro_batch_routes(routes, mb: MicroBatch, device, fed_only: bool):
     """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row) as
-    backend.router_replay.Routes over the right-padded [B, width] micro-batch."""
-    places = [(b, 0, n) for b, n in enumerate(lengths_B.tolist())]
-    return placed_routes(routes, places, (len(places), width), device, fed_only)
-
-
-def mb_routes(routes, mb: MicroBatch, device, fed_only: bool):
-    """padded_routes over a micro-batch, padded or packed."""
-    return placed_routes(routes, mb.places, tuple(mb.ids_BS.shape), device, fed_only)
-
-
-def placed_routes(routes, places, shape_BS: tuple[int, int], device, fed_only: bool):
-    """Per-row expert ids as Routes over a [B, S] micro-batch, row i at places[i] (row of
-    the micro-batch, first position, length).
+    backend.router_replay.Routes over the micro-batch's ids_BS (padded [B, S] or packed
+    [1, T]).
 
     fed_only: a rollout's routes: its last token was never fed to the model (its row is a
     placeholder or absent), so it is not used; the recorded routes of a full forward are.
@@ -285,9 +268,9 @@ def placed_routes(routes, places, shape_BS: tuple[int, int], device, fed_only: b
 
     rows = routes.unbind() if routes.is_nested else list(routes)
     num_layers, top_k = rows[0].shape[-2:]
-    experts_BSLK = torch.zeros(*shape_BS, num_layers, top_k, dtype=torch.long)
-    use_BS = torch.zeros(*shape_BS, dtype=torch.bool)
-    for i, (row, (b, s, n)) in enumerate(zip(rows, places, strict=True)):
+    experts_BSLK = torch.zeros(*mb.ids_BS.shape, num_layers, top_k, dtype=torch.long)
+    use_BS = torch.zeros(*mb.ids_BS.shape, dtype=torch.bool)
+    for i, (row, (b, s, n)) in enumerate(zip(rows, mb.places, strict=True)):
         if row.shape[0] not in (n, n - 1):
             raise BatchError(
                 f"routed_experts row {i} has {row.shape[0]} positions for {n} tokens: "
@@ -299,13 +282,8 @@ def placed_routes(routes, places, shape_BS: tuple[int, int], device, fed_only: b
     return Routes(experts_BSLK.to(device), use_BS.to(device))
 
 
-def routes_to_nested(experts_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """Recorded [B, S, L, K] routes -> verl's nested routed_experts rows ([len, L, K] each)."""
-    pieces = [experts_BSLK[b, :n] for b, n in enumerate(lengths_B.tolist())]
-    return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)
-
-
-def mb_routes_to_nested(experts_BSLK: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """routes_to_nested over a micro-batch, padded or packed."""
+def routes_to_nested(experts_BSLK: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Recorded routes over ids_BS ([B, S, L, K]) -> verl's nested routed_experts rows
+    ([len, L, K] each)."""
     pieces = [experts_BSLK[b, s : s + n] for b, s, n in mb.places]
     return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)

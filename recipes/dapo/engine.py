@@ -328,7 +328,9 @@ class McoreEpEngine(BaseEngine):
         if not has_routes:
             return {"record": mode == "R2"}
         recorded = mode == "R2"  # R2's update: our own routes of every token
-        routes = batches.mb_routes(mb.data["routed_experts"], mb, self._torch_device, not recorded)
+        routes = batches.micro_batch_routes(
+            mb.data["routed_experts"], mb, self._torch_device, not recorded
+        )
         out = {"replay": routes if mode != "disabled" else None}
         if phase == "old_log_prob":
             counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
@@ -377,7 +379,7 @@ class McoreEpEngine(BaseEngine):
         }
         if routes.get("record"):
             experts_BSLK = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
-            result["model_output"]["routed_experts"] = batches.mb_routes_to_nested(
+            result["model_output"]["routed_experts"] = batches.routes_to_nested(
                 experts_BSLK.to(ROUTE_DTYPE), mb
             )
         if loss_function is not None:
