@@ -13,6 +13,13 @@ goes to SDPA as its complement.
 On Ascend the same module calls torch_npu's fused attention (`npu_fusion_attention`, layout
 SBH, GQA native): causal via its compressed 2048 x 2048 mask (sparse_mode 2) when no mask is
 given, the explicit mask as is otherwise (its convention is megatron's).
+
+Packed sequences (PackedSeqParams, qkv_format "thd"; megatron hands [t, heads, d]): causal
+attention within each sequence of cu_seqlens. CUDA: flash-attn's varlen kernel when
+importable; otherwise, and on CPU (the exact reference), SDPA per sequence (`is_causal`,
+flash path on CUDA). Ascend: npu_fusion_attention in TND layout with actual_seq_qlen /
+actual_seq_kvlen (sparse_mode 3, causal per sequence) - written to torch_npu's documented
+interface, not run here (no NPU in CI).
 """
 
 import math
@@ -64,11 +71,10 @@ class SDPAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError(
-                "SDPAttention takes padded [s, b] batches without attention bias: "
-                "unpack the sequences (remove-padding off) or use the TE spec"
-            )
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention bias: use the TE spec")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         if is_causal_mask(attention_mask):
             attention_mask, attn_mask_type = None, AttnMaskType.causal
         causal = (
@@ -92,6 +98,54 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
+    def _packed(self, q_THD, k_TGD, v_TGD, packed) -> torch.Tensor:
+        """THD: causal attention within each sequence -> [t, heads * d]."""
+        if packed.qkv_format != "thd":
+            raise ValueError(f"packed sequences in {packed.qkv_format!r}: SDPAttention takes thd")
+        if not torch.equal(packed.cu_seqlens_q, packed.cu_seqlens_kv):
+            raise ValueError("SDPAttention packs self-attention only (cu_seqlens_q == _kv)")
+        if q_THD.dim() == 4:  # megatron-core versions that keep the batch dim of 1
+            q_THD, k_TGD, v_TGD = (t.squeeze(1) for t in (q_THD, k_TGD, v_TGD))
+        dropout = self.dropout if self.training else 0.0
+        device = q_THD.device.type
+        if device == "npu":
+            return self._npu_packed(q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, dropout)
+        half = q_THD.dtype in (torch.float16, torch.bfloat16)  # flash-attn's dtypes
+        varlen = _flash_varlen() if device == "cuda" and half else None
+        if varlen is not None:
+            out_THD = varlen(
+                q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, packed.cu_seqlens_kv,
+                packed.max_seqlen_q, packed.max_seqlen_kv, dropout_p=dropout,
+                softmax_scale=self.softmax_scale, causal=True,
+            )  # fmt: skip
+            return out_THD.reshape(out_THD.shape[0], -1)
+        return self._per_sequence(q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, dropout)
+
+    def _per_sequence(self, q_THD, k_TGD, v_TGD, cu_seqlens, dropout: float) -> torch.Tensor:
+        """SDPA causal on each sequence: exact, no [t, t] mask."""
+        lengths = cu_seqlens.diff().tolist()
+        outs = []
+        for q, k, v in zip(*(t.split(lengths) for t in (q_THD, k_TGD, v_TGD)), strict=True):
+            q_HSD, k_GSD, v_GSD = (t.transpose(0, 1)[None] for t in (q, k, v))
+            out = F.scaled_dot_product_attention(
+                q_HSD, k_GSD, v_GSD, is_causal=True, scale=self.softmax_scale,
+                dropout_p=dropout, enable_gqa=q_HSD.shape[1] != k_GSD.shape[1],
+            )  # fmt: skip
+            outs.append(out[0].transpose(0, 1).reshape(q.shape[0], -1))
+        return torch.cat(outs)
+
+    def _npu_packed(self, q_THD, k_TGD, v_TGD, cu_seqlens, dropout: float) -> torch.Tensor:
+        """Untested here (no NPU): torch_npu's TND layout, causal within each sequence."""
+        import torch_npu
+
+        ends = cu_seqlens[1:].tolist()
+        out = torch_npu.npu_fusion_attention(
+            q_THD, k_TGD, v_TGD, q_THD.shape[1], "TND",
+            atten_mask=_npu_compressed_causal_mask(q_THD.device), scale=self.softmax_scale,
+            keep_prob=1.0 - dropout, sparse_mode=3, actual_seq_qlen=ends, actual_seq_kvlen=ends,
+        )  # fmt: skip
+        return out[0].reshape(q_THD.shape[0], -1)
+
     def _npu(self, query, key, value, attention_mask, causal: bool):
         import torch_npu
 
@@ -109,6 +163,15 @@ class SDPAttention(MegatronModule):
             sparse_mode=2 if causal else 0,
         )
         return out[0]
+
+
+def _flash_varlen():
+    """flash-attn's flash_attn_varlen_func, None when the stack has no flash-attn."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
 
 
 _NPU_CAUSAL: dict[torch.device, torch.Tensor] = {}

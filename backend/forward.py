@@ -46,11 +46,24 @@ def attention_mask_for(input_ids_BS: torch.Tensor) -> torch.Tensor | None:
     return causal_mask(input_ids_BS.shape[1], input_ids_BS.device)
 
 
-def forward_logits(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input."""
+def forward_logits(model, input_ids_BS: torch.Tensor, packed=None) -> torch.Tensor:
+    """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input.
+
+    packed: megatron-core PackedSeqParams (THD) of a packed [1, T] row: attention stays
+    within each sequence (cu_seqlens), positions restart at every sequence start."""
+    if packed is not None:
+        position_ids_1T = packed_position_ids(packed.cu_seqlens_q)[None]
+        return model(input_ids_BS, position_ids_1T, None, packed_seq_params=packed)
     b, s = input_ids_BS.shape
     position_ids_BS = torch.arange(s, device=input_ids_BS.device).expand(b, s)
     return model(input_ids_BS, position_ids_BS, attention_mask_for(input_ids_BS))
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] positions restarting at each start in cu_seqlens ([N + 1], last = T)."""
+    lengths_N = cu_seqlens.diff().long()
+    starts_T = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths_N)
+    return torch.arange(starts_T.numel(), device=cu_seqlens.device) - starts_T
 
 
 def token_log_probs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

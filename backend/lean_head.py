@@ -63,8 +63,10 @@ def output_layer_skipped(model):
         del layer.forward
 
 
-def forward_hidden(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
+def forward_hidden(model, input_ids_BS: torch.Tensor, packed=None) -> torch.Tensor:
     """Final hidden states [S, B, H] (after the final norm), full sequence on every TP rank.
+
+    packed: PackedSeqParams of a packed [1, T] row, as backend.forward.forward_logits takes.
 
     Under sequence parallelism the output layer's input is this rank's [S/tp, B, H] slice:
     gathered here as ColumnParallelLinear would (backward: reduce-scatter, summing the vocab
@@ -76,7 +78,7 @@ def forward_hidden(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
     from backend.forward import forward_logits
 
     with output_layer_skipped(model) as stash:
-        forward_logits(model, input_ids_BS)
+        forward_logits(model, input_ids_BS, packed=packed)
     (hidden_SBH,) = stash
     if gpt_of(model).output_layer.sequence_parallel:
         return mappings.gather_from_sequence_parallel_region(hidden_SBH)

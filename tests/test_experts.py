@@ -138,11 +138,16 @@ def test_sdpa_attention_matches_dot_product_attention(pair):
     )
 
 
-def test_sdpa_attention_rejects_packed_sequences(pair):
+def test_sdpa_attention_takes_thd_packed_sequences_only(pair):
+    """Packed sequences in thd (tests/test_packed.py); other packed layouts are refused."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     q, k, v = _attention_inputs(d=pair[1].config.kv_channels)
-    with pytest.raises(ValueError, match="padded"):
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    sbhd = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match="takes thd"):
         pair[1].decoder.layers[0].self_attention.core_attention(
-            q, k, v, None, packed_seq_params=object()
+            q, k, v, None, packed_seq_params=sbhd
         )
 
 

@@ -123,6 +123,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.monitor.enable": "true",
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
         f"{engine}.router_replay": "disabled",
+        f"{engine}.packed": "false",
         f"{engine}.monitor.assumed_ep_skew": "2.0",
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",

@@ -127,3 +127,15 @@ def test_tp2_ep2_on_two_ranks(tmp_path):
     meta = json.loads((tmp_path / "checkpoints/global_step_2/actor/meta.json").read_text())
     assert meta["plan"]["tp"] == 2 and meta["plan"]["ep"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["export_max_logits_diff"] < 1e-4
+
+
+def test_packed_sequences_through_verls_trainer(tmp_path):
+    """mcore_ep.packed=true (THD micro-batches) in verl's own DAPO loop: the actor's old
+    log-probs still equal the rollout's."""
+    proc = launch(tmp_path, "--steps", "2",
+                  overrides=("actor_rollout_ref.actor.mcore_ep.packed=true",))  # fmt: skip
+    assert proc.returncode == 0
+    rows = history(tmp_path)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["training/rollout_probs_diff_max"] < SYNC_TOLERANCE

@@ -2,10 +2,14 @@
 
 verl hands the engine a TensorDict whose `input_ids` is a jagged nested tensor (one row per
 sequence, no padding) plus scalar settings (use_dynamic_bsz, max_token_len_per_gpu,
-micro_batch_size_per_gpu, temperature, ...). Our megatron-core model runs right-padded
-[B, S] batches (causal mask: real tokens never see the padding), so:
-- micro-batches are planned on *padded* tokens (rows x longest row, S rounded up to a
-  multiple of tp for sequence parallelism), longest sequences first;
+micro_batch_size_per_gpu, temperature, ...). Our megatron-core model runs either
+right-padded [B, S] batches (causal mask: real tokens never see the padding) or, with
+`mcore_ep.packed`, packed ones: a micro-batch's sequences concatenated into one [1, T] row
+with megatron-core's PackedSeqParams (THD; attention per sequence, RoPE restarting), only
+the total padded to a multiple of tp (that tail is one more pseudo-sequence, masked out):
+- padded micro-batches are planned on *padded* tokens (rows x longest row, S rounded up to a
+  multiple of tp for sequence parallelism), longest sequences first; packed ones on real
+  tokens (their sum, rounded up to tp), first-fit, longest first;
 - every DP rank runs the same number of micro-batches: expert-parallel all-to-alls pair the
   k-th forward of every rank of an EP group, which spans DP replicas;
 - model outputs go back to verl as nested tensors in the caller's row order.
@@ -31,11 +35,46 @@ class MicroBatch:
     lengths_B: torch.Tensor  # real lengths
     valid_BS: torch.Tensor  # bool, real tokens
     response_BS: torch.Tensor | None  # bool, response tokens (when `responses` is in the batch)
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [B + 2] sequence starts, tp tail last
 
     @property
     def has_next_BS(self) -> torch.Tensor:
-        """bool: a real token follows (where a next-token log-prob means something)."""
-        return torch.nn.functional.pad(self.valid_BS[:, 1:], (0, 1))
+        """bool: a real token of the same sequence follows (where a next-token log-prob means
+        something)."""
+        has_next_BS = torch.nn.functional.pad(self.valid_BS[:, 1:], (0, 1))
+        if self.cu_seqlens is not None:
+            has_next_BS[0, self.cu_seqlens[1:-1].long() - 1] = False
+        return has_next_BS
+
+    @property
+    def places(self) -> list[tuple[int, int, int]]:
+        """(row of ids_BS, first position, length) of each sequence."""
+        lengths = self.lengths_B.tolist()
+        if self.cu_seqlens is None:
+            return [(b, 0, n) for b, n in enumerate(lengths)]
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        return [(0, s, n) for s, n in zip(starts, lengths, strict=True)]
+
+    @property
+    def packed(self):
+        """megatron-core's PackedSeqParams (THD) of a packed micro-batch, None when padded."""
+        if self.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tail = self.ids_BS.shape[1] - int(self.lengths_B.sum())
+        max_len = max(int(self.lengths_B.max()), tail)  # host values: no device sync
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+
+    def to_nested(self, values_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S] (or packed [1, T]) -> jagged nested [B, j] per sequence (differentiable)."""
+        return _nested([values_BS[r, s : s + n] for r, s, n in self.places], values_BS.device)
 
 
 def _lengths(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,15 +87,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
-    """Longest first, greedily: rows x padded longest row <= budget (padded tokens)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if order and _round_up(lengths[order[0]], multiple) > budget:
+def _check_fits(longest: int, budget: int, multiple: int) -> None:
+    if _round_up(longest, multiple) > budget:
         raise BatchError(
-            f"a sequence of {lengths[order[0]]} tokens exceeds max_token_len_per_gpu="
+            f"a sequence of {longest} tokens exceeds max_token_len_per_gpu="
             f"{budget}: raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu "
             "to at least max_prompt_length + max_response_length"
         )
+
+
+def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
+    """Longest first, greedily: rows x padded longest row <= budget (padded tokens)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    _check_fits(lengths[order[0]] if order else 0, budget, multiple)
     plans: list[list[int]] = []
     for i in order:
         widest = _round_up(lengths[plans[-1][0]], multiple) if plans else 0
@@ -64,6 +107,26 @@ def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[
             plans[-1].append(i)
         else:
             plans.append([i])
+    return plans
+
+
+def plan_by_real_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
+    """Packed micro-batches: first fit, longest first, sum of lengths (rounded up to the
+    multiple) <= budget (real tokens)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    _check_fits(lengths[order[0]] if order else 0, budget, multiple)
+    plans: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        fit = next(
+            (k for k, u in enumerate(used) if _round_up(u + lengths[i], multiple) <= budget), None
+        )
+        if fit is None:
+            plans.append([i])
+            used.append(lengths[i])
+        else:
+            plans[fit].append(i)
+            used[fit] += lengths[i]
     return plans
 
 
@@ -86,7 +149,9 @@ def split_to(plans: list[list[int]], count: int) -> list[list[int]]:
     return plans
 
 
-def plan_micro_batches(data: TensorDict, tp: int, dp_group, device="cpu") -> list[list[int]]:
+def plan_micro_batches(
+    data: TensorDict, tp: int, dp_group, device="cpu", packed: bool = False
+) -> list[list[int]]:
     """Row indices of each micro-batch, the same count on every rank of `dp_group`."""
     lengths = _lengths(data["input_ids"]).tolist()
     if tu.get_non_tensor_data(data, "use_dynamic_bsz", True):
@@ -95,7 +160,8 @@ def plan_micro_batches(data: TensorDict, tp: int, dp_group, device="cpu") -> lis
             raise BatchError(
                 "use_dynamic_bsz needs max_token_len_per_gpu: set ppo_max_token_len_per_gpu"
             )
-        plans = plan_by_tokens(lengths, int(budget), tp)
+        plan = plan_by_real_tokens if packed else plan_by_tokens
+        plans = plan(lengths, int(budget), tp)
     else:
         plans = plan_by_rows(
             len(lengths), int(tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", 1))
@@ -144,10 +210,39 @@ def micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatc
     return MicroBatch(rows, sub, to(ids_BS), lengths_B, to(valid_BS), to(response_BS))
 
 
-def to_nested(values_BS: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """[B, S] -> jagged nested [B, j] keeping each row's first length values (differentiable)."""
-    pieces = [values_BS[row, :n] for row, n in enumerate(lengths_B.tolist())]
-    offsets = torch.cat((lengths_B.new_zeros(1), lengths_B.cumsum(0))).to(values_BS.device)
+def packed_micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatch:
+    """Rows of `data` concatenated into one [1, T] row (T the real total rounded up to tp)."""
+    sub = tu.index_select_tensor_dict(data, rows)
+    ids = sub["input_ids"]
+    seqs = [s.cpu() for s in (ids.unbind() if ids.is_nested else list(ids))]
+    lengths_B = torch.tensor([len(s) for s in seqs])
+    real = int(lengths_B.sum())
+    total = _round_up(real, tp)
+    ids_1T = torch.cat([*seqs, seqs[0].new_zeros(total - real)])[None]
+    valid_1T = torch.arange(total)[None] < real
+    bounds = [0, *lengths_B.cumsum(0).tolist()] + ([total] if total > real else [])
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    response_1T = _packed_response_mask(sub, lengths_B, total)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return MicroBatch(
+        rows, sub, to(ids_1T), lengths_B, to(valid_1T), to(response_1T), to(cu_seqlens)
+    )
+
+
+def _packed_response_mask(data: TensorDict, lengths_B: torch.Tensor, total: int):
+    responses_B = response_lengths_B(data)
+    if responses_B is None:
+        return None
+    rows = [
+        torch.arange(n) >= n - r
+        for n, r in zip(lengths_B.tolist(), responses_B.tolist(), strict=True)
+    ]
+    return torch.nn.functional.pad(torch.cat(rows), (0, total - int(lengths_B.sum())))[None]
+
+
+def _nested(pieces: list[torch.Tensor], device) -> torch.Tensor:
+    lengths_B = torch.tensor([len(p) for p in pieces])
+    offsets = torch.cat((lengths_B.new_zeros(1), lengths_B.cumsum(0))).to(device)
     return torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets)
 
 
@@ -161,9 +256,10 @@ def restore_rows(per_mb: list[torch.Tensor], plans: list[list[int]]) -> torch.Te
     return torch.nested.as_nested_tensor(ordered, layout=torch.jagged)
 
 
-def padded_routes(routes, lengths_B: torch.Tensor, width: int, device, fed_only: bool):
+def micro_batch_routes(routes, mb: MicroBatch, device, fed_only: bool):
     """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row) as
-    backend.router_replay.Routes over the right-padded [B, width] micro-batch.
+    backend.router_replay.Routes over the micro-batch's ids_BS (padded [B, S] or packed
+    [1, T]).
 
     fed_only: a rollout's routes: its last token was never fed to the model (its row is a
     placeholder or absent), so it is not used; the recorded routes of a full forward are.
@@ -172,21 +268,22 @@ def padded_routes(routes, lengths_B: torch.Tensor, width: int, device, fed_only:
 
     rows = routes.unbind() if routes.is_nested else list(routes)
     num_layers, top_k = rows[0].shape[-2:]
-    experts_BSLK = torch.zeros(len(rows), width, num_layers, top_k, dtype=torch.long)
-    use_BS = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, (row, n) in enumerate(zip(rows, lengths_B.tolist(), strict=True)):
+    experts_BSLK = torch.zeros(*mb.ids_BS.shape, num_layers, top_k, dtype=torch.long)
+    use_BS = torch.zeros(*mb.ids_BS.shape, dtype=torch.bool)
+    for i, (row, (b, s, n)) in enumerate(zip(rows, mb.places, strict=True)):
         if row.shape[0] not in (n, n - 1):
             raise BatchError(
-                f"routed_experts row {b} has {row.shape[0]} positions for {n} tokens: "
+                f"routed_experts row {i} has {row.shape[0]} positions for {n} tokens: "
                 "expected one per token (or all but the last)"
             )
         m = min(row.shape[0], n - 1 if fed_only else n)
-        experts_BSLK[b, :m] = row[:m].long().cpu()
-        use_BS[b, :m] = True
+        experts_BSLK[b, s : s + m] = row[:m].long().cpu()
+        use_BS[b, s : s + m] = True
     return Routes(experts_BSLK.to(device), use_BS.to(device))
 
 
-def routes_to_nested(experts_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """Recorded [B, S, L, K] routes -> verl's nested routed_experts rows ([len, L, K] each)."""
-    pieces = [experts_BSLK[b, :n] for b, n in enumerate(lengths_B.tolist())]
+def routes_to_nested(experts_BSLK: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Recorded routes over ids_BS ([B, S, L, K]) -> verl's nested routed_experts rows
+    ([len, L, K] each)."""
+    pieces = [experts_BSLK[b, s : s + n] for b, s, n in mb.places]
     return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)

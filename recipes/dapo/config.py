@@ -35,6 +35,9 @@ class McoreEpEngineConfig(EngineConfig):
     router_replay: "disabled" | "R2" (the update reuses the old-log-prob pass's experts) |
     "R3" (old-log-prob pass and update use the rollout's `routed_experts`; needs the
     rollout's enable_rollout_routing_replay=True). See recipes/README.md, "Routing replay".
+    packed: micro-batches as packed sequences (one [1, T] row, megatron-core THD
+    PackedSeqParams; planned on real tokens) instead of right-padded [B, S]; needs our SDPA
+    attention ("auto" then picks it on every device).
     """
 
     strategy: str = BACKEND
@@ -52,6 +55,7 @@ class McoreEpEngineConfig(EngineConfig):
     timing: bool = TIMING_DEFAULT
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
     router_replay: str = "disabled"
+    packed: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,6 +74,11 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 f"router_replay={self.router_replay!r}: choose disabled, R2 or R3"
             )
+        if self.packed and self.attention == "local":
+            raise EngineConfigError(
+                "packed=True needs attention='sdpa' (or 'auto'): megatron-core's local "
+                "attention has no packed-sequence (THD) path"
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(
                 f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"
@@ -83,6 +92,11 @@ class McoreEpEngineConfig(EngineConfig):
             "pp": self.pipeline_model_parallel_size,
             "cp": self.context_parallel_size,
         }
+
+    @property
+    def resolved_attention(self) -> str:
+        """`attention`, with "auto" -> "sdpa" when packed (the only packed-capable one)."""
+        return "sdpa" if self.packed and self.attention == "auto" else self.attention
 
 
 @dataclass

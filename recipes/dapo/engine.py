@@ -8,10 +8,10 @@ BaseEngine calls verl's workers make map onto our code:
   initialize          build_model (local spec, grouped experts / SDPA) -> HF weights through converters.sharding
                       (each rank reads only its tensors) -> router instruments -> optimizer
   train_mode/eval_mode  verl's offload context + model.train()/eval()
-  forward_backward_batch  nested batch -> padded micro-batches (recipes.dapo.batches) ->
-                      log-probs/entropy (recipes.dapo.heads: backend.lean_head, chunked, the
-                      output projection fused, no [T, V/tp] logits held) -> verl's loss_function
-                      -> backward
+  forward_backward_batch  nested batch -> padded or packed (mcore_ep.packed, THD) micro-batches
+                      (recipes.dapo.batches) -> log-probs/entropy (recipes.dapo.heads:
+                      backend.lean_head, chunked, the output projection fused, no [T, V/tp]
+                      logits held) -> verl's loss_function -> backward
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  recipes.dapo.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
@@ -57,6 +57,16 @@ DEVICES = ["cuda", "npu", "cpu"]
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
 ROUTE_DTYPE = torch.int32  # recorded routed_experts (R2), as verl's megatron engine returns
+
+
+def _one_temperature(temperature_B: torch.Tensor) -> float:
+    """A packed micro-batch is one row: its sequences must share one temperature."""
+    if not torch.all(temperature_B == temperature_B.flatten()[0]):
+        raise batches.BatchError(
+            "mcore_ep.packed=True with per-sequence temperatures that differ within a "
+            "micro-batch: use one sampling temperature, or packed=False"
+        )
+    return float(temperature_B.flatten()[0])
 
 
 def engine_device() -> str:
@@ -137,7 +147,7 @@ class McoreEpEngine(BaseEngine):
         # local spec (the converters' name table covers it; TE names are not mapped yet) with
         # our grouped-GEMM experts / SDPA attention where BuildOptions picks them
         opts = BuildOptions(device=self.device, dtype=dtype, spec="local", recompute=c.recompute,
-                            experts=c.experts, attention=c.attention)  # fmt: skip
+                            experts=c.experts, attention=c.resolved_attention)  # fmt: skip
         self.module = build_model(self.spec, self.groups, opts)
         self.experts = opts.resolved_experts()
         weights.load_hf(self.module, self.model_config.local_path, self.spec, self.groups)
@@ -246,9 +256,10 @@ class McoreEpEngine(BaseEngine):
 
     def _forward_backward(self, data, loss_function, forward_only: bool):
         self._set_batch_info(data)
-        tp = self.groups.size("tp")
-        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device)
-        mbs = [batches.micro_batch(data, rows, tp, self._torch_device) for rows in plans]
+        tp, packed = self.groups.size("tp"), self.engine_config.packed
+        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device, packed)
+        make = batches.packed_micro_batch if packed else batches.micro_batch
+        mbs = [make(data, rows, tp, self._torch_device) for rows in plans]
         phase = self._phase(forward_only)
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
@@ -317,10 +328,9 @@ class McoreEpEngine(BaseEngine):
             )
         if not has_routes:
             return {"record": mode == "R2"}
-        width = mb.ids_BS.shape[1]
         recorded = mode == "R2"  # R2's update: our own routes of every token
-        routes = batches.padded_routes(
-            mb.data["routed_experts"], mb.lengths_B, width, self._torch_device, not recorded
+        routes = batches.micro_batch_routes(
+            mb.data["routed_experts"], mb, self._torch_device, not recorded
         )
         out = {"replay": routes if mode != "disabled" else None}
         if phase == "old_log_prob":
@@ -351,18 +361,20 @@ class McoreEpEngine(BaseEngine):
             for mb, r in zip(mbs, routes, strict=True):
                 self.routing.set_tokens(mb.valid_BS, mb.response_BS)
                 self.routing.set_routes(**r)
-                forward_logits(self.model, mb.ids_BS)
+                forward_logits(self.model, mb.ids_BS, packed=mb.packed)
 
     def _micro_batch(
         self, mb, loss_function, forward_only: bool, temperature, entropy: bool, routes: dict
     ) -> dict:
         if isinstance(temperature, torch.Tensor) and temperature.dim() and temperature.numel() > 1:
             temperature = temperature[mb.rows]
+            if mb.cu_seqlens is not None:
+                temperature = _one_temperature(temperature)
         self.routing.set_tokens(mb.valid_BS, mb.response_BS)
         self.routing.set_routes(**routes)
-        outputs_BS = head_outputs(self.model, mb.ids_BS, temperature, entropy)
+        outputs_BS = head_outputs(self.model, mb.ids_BS, temperature, entropy, packed=mb.packed)
         outputs_BS["log_probs"] = outputs_BS["log_probs"].masked_fill(~mb.has_next_BS, 0.0)
-        model_output = {k: batches.to_nested(v, mb.lengths_B) for k, v in outputs_BS.items()}
+        model_output = {k: mb.to_nested(v) for k, v in outputs_BS.items()}
         result = {
             "model_output": {k: v.detach() for k, v in model_output.items()},
             "loss": 1.0,
@@ -371,7 +383,7 @@ class McoreEpEngine(BaseEngine):
         if routes.get("record"):
             experts_BSLK = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
             result["model_output"]["routed_experts"] = batches.routes_to_nested(
-                experts_BSLK.to(ROUTE_DTYPE), mb.lengths_B
+                experts_BSLK.to(ROUTE_DTYPE), mb
             )
         if loss_function is not None:
             loss, metrics = loss_function(

@@ -31,16 +31,24 @@ def _temperature_B(temperature, batch: int, device) -> torch.Tensor:
 
 
 def head_outputs(
-    model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False, lean: bool = True
+    model,
+    ids_BS: torch.Tensor,
+    temperature=1.0,
+    entropy: bool = False,
+    lean: bool = True,
+    packed=None,
 ) -> dict:
     """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32.
 
     lean: backend.lean_head (chunked, the output projection fused, no [T, V/tp] logits held);
     otherwise the full logits (full_head_outputs), the reference it is tested against.
+    packed: PackedSeqParams of a packed [1, T] row (backend.forward.forward_logits); the
+    log-prob at each sequence's last token then reads the next sequence's first: the caller
+    masks it (MicroBatch.has_next_BS).
     """
     if not lean:
-        return full_head_outputs(model, ids_BS, temperature, entropy)
-    hidden_SBH = forward_hidden(model, ids_BS)
+        return full_head_outputs(model, ids_BS, temperature, entropy, packed=packed)
+    hidden_SBH = forward_hidden(model, ids_BS, packed=packed)
     s, b, h = hidden_SBH.shape
     labels_SB = F.pad(ids_BS[:, 1:], (0, 1)).t()  # the last position's label is never read
     temperature_SB = _temperature_B(temperature, b, ids_BS.device).expand(s, b)
@@ -57,9 +65,11 @@ def head_outputs(
     return out
 
 
-def full_head_outputs(model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False) -> dict:
+def full_head_outputs(
+    model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False, packed=None
+) -> dict:
     """head_outputs from the full [B, S, V/tp] logits (about three fp32 copies of them)."""
-    logits_BSV = forward_logits(model, ids_BS)
+    logits_BSV = forward_logits(model, ids_BS, packed=packed)
     scale = _temperature_B11(temperature, ids_BS.shape[0], ids_BS.device)
     if not (isinstance(scale, float) and scale == 1.0):
         logits_BSV = logits_BSV.float() / scale

@@ -128,6 +128,7 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.monitor.enable": True,
         f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
         f"{ENGINE}.router_replay": "disabled",  # R2 | R3: recipes/README.md, "Routing replay"
+        f"{ENGINE}.packed": False,  # THD micro-batches: recipes/README.md, "Packed sequences"
     }
 
 
