@@ -27,7 +27,7 @@ DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume")
-LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 100, 25
+LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
 
 
 def positive_int(text: str) -> int:

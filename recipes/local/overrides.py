@@ -20,7 +20,7 @@ TOY = dict(
     overlong_buffer=1,
     inflight_gen_batches=2,
     test_freq=5,
-    val_n=4,  # 4 samples of each validation prompt: a steadier yardstick
+    val_n=8,  # 8 samples of each validation prompt: a steadier yardstick
 )
 
 

@@ -1,4 +1,4 @@
-"""The local task: single-digit arithmetic ("3+4=" -> "7"), in the files verl's trainer reads.
+"""The local task: single-digit doubles ("3+3=" -> "6"), in the files verl's trainer reads.
 
 What verl lacks for a laptop run and nothing more: a character tokenizer with Qwen's ChatML
 tokens and template (verl's agent loop builds prompts with it and stops at `<|im_end|>`),
@@ -9,7 +9,6 @@ reward manager then shapes with its overlong buffer, exactly as on the cluster.
 
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,6 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARS = ("\n", *"0123456789", "+", "-", "*", "=", *"aeinrstu")
 VOCAB = (*SPECIALS, *CHARS)
 DATA_SOURCE = "math_dapo"
-OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -52,32 +50,33 @@ class Problem:
     answer: str  # "7"
 
 
-def make_problems(ops: str = "+-", max_operand: int = 4) -> list[Problem]:
-    """Every a<op>b with operands up to max_operand and a single-digit, non-negative result."""
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        raise ValueError(f"unknown operator(s) {unknown}: choose from {''.join(OPS)}")
-    problems = [
-        Problem(f"{a}{op}{b}=", str(OPS[op](a, b)))
-        for op in ops
-        for a in range(max_operand + 1)
-        for b in range(max_operand + 1)
-        if 0 <= OPS[op](a, b) <= 9
-    ]
-    if not problems:
-        raise ValueError(f"no problem with ops={ops!r}, max_operand={max_operand}: widen them")
-    return problems
+def make_problems(max_operand: int = 3) -> list[Problem]:
+    """The doubles a+a for a in 0..max_operand: every answer distinct, both digits carry it.
 
-
-def balanced(problems: list[Problem]) -> list[Problem]:
-    """Problems repeated so that every answer is about equally frequent.
-
-    With a+b over 0..4, "0+0=" is the only prompt answered 0: a rare answer gets pushed onto
-    its neighbours by what the policy learns elsewhere before it is ever sampled right.
+    Why this set (measured, recipes/README.md "The toy task"): the random tiny model tells
+    prompts apart by a token or two, and a prompt whose right answer loses that race early is
+    answered wrong with certainty; its groups are then all wrong, DAPO's filter evicts them and
+    it never gets a gradient again. With every a+b over 0..2 the run stopped at 6 of 9 prompts;
+    with 0+0, 0+1, 1+1 the model read only the second digit and answered 0+1 like 1+1. In the
+    doubles both digits name the answer and no answer repeats.
     """
-    counts = Counter(p.answer for p in problems)
-    most = max(counts.values())
-    return [p for p in problems for _ in range(max(1, round(most / counts[p.answer])))]
+    if not 0 <= max_operand <= 4:
+        raise ValueError(f"max_operand={max_operand}: a+a must be a single digit, 0..4")
+    return [Problem(f"{a}+{a}=", str(2 * a)) for a in range(max_operand + 1)]
+
+
+def write_data(out: Path, max_operand: int = 3, repeats: int = 300) -> dict:
+    """train.parquet (the problems, repeated for enough steps) and val.parquet (each once)."""
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    problems = make_problems(max_operand)
+    train = problems * repeats
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    pd.DataFrame([_row(p, i, "train") for i, p in enumerate(train)]).to_parquet(paths["train"])
+    pd.DataFrame([_row(p, i, "val") for i, p in enumerate(problems)]).to_parquet(paths["val"])
+    (out / "task.json").write_text(json.dumps({"max_operand": max_operand}))
+    return paths
 
 
 def _row(problem: Problem, index: int, split: str) -> dict:
@@ -88,20 +87,6 @@ def _row(problem: Problem, index: int, split: str) -> dict:
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
         "extra_info": {"split": split, "index": index},
     }
-
-
-def write_data(out: Path, ops: str = "+", max_operand: int = 2, repeats: int = 100) -> dict:
-    """train.parquet (balanced problems, repeated for enough steps) and val.parquet (each once)."""
-    import pandas as pd
-
-    out.mkdir(parents=True, exist_ok=True)
-    problems = make_problems(ops, max_operand)
-    train = balanced(problems) * repeats
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    pd.DataFrame([_row(p, i, "train") for i, p in enumerate(train)]).to_parquet(paths["train"])
-    pd.DataFrame([_row(p, i, "val") for i, p in enumerate(problems)]).to_parquet(paths["val"])
-    (out / "task.json").write_text(json.dumps({"ops": ops, "max_operand": max_operand}))
-    return paths
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
