@@ -34,7 +34,10 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     # no decay on norms (1-D), as Megatron and verl do
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 class McoreActor:
@@ -42,7 +45,9 @@ class McoreActor:
 
     def __init__(self, model: torch.nn.Module, groups: ProcessGroups, optim: OptimConfig):
         if groups.size("pp") != 1:
-            raise ValueError("the actor runs pp=1 for now: pipeline stages need megatron's schedule")
+            raise ValueError(
+                "the actor runs pp=1 for now: pipeline stages need megatron's schedule"
+            )
         self.model, self.groups, self.optim_cfg = model, groups, optim
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps
@@ -58,8 +63,12 @@ class McoreActor:
         self.model.eval()
         return [next_token_log_probs(self.model, mb["input_ids"]) for mb in micro_batches]
 
-    def train_step(self, micro_batches: list[dict], loss_fn: LossFn,
-                   before_micro_batch: Callable[[dict], object] | None = None) -> dict:
+    def train_step(
+        self,
+        micro_batches: list[dict],
+        loss_fn: LossFn,
+        before_micro_batch: Callable[[dict], object] | None = None,
+    ) -> dict:
         """Accumulate gradients over micro-batches, sync, clip, step. Returns summed metrics.
 
         before_micro_batch(mb) may return a context manager (e.g. the router tap's token mask).
@@ -82,8 +91,11 @@ class McoreActor:
         return metrics
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

@@ -37,7 +37,9 @@ def prepare_device(kind: str | None = "auto") -> str:
         require("torch_npu", "device npu")
         require("mindspeed.megatron_adaptor", "device npu (megatron-core on Ascend)")
     elif device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("device cuda was requested but torch sees no GPU: use --device cpu or check CUDA_VISIBLE_DEVICES")
+        raise DeviceError(
+            "device cuda was requested but torch sees no GPU: use --device cpu or check CUDA_VISIBLE_DEVICES"
+        )
     apply_shims(device)
     return device
 

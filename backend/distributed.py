@@ -75,7 +75,9 @@ def init_parallel(
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch with torchrun")
             # a lone rank needs no rendezvous: an in-process store, no port
-            dist.init_process_group(dist_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                dist_backend(device), store=dist.HashStore(), rank=0, world_size=1
+            )
         else:
             dist.init_process_group(
                 dist_backend(device), init_method=init_method, rank=rank, world_size=world

@@ -60,7 +60,11 @@ class GroupedExperts(MegatronModule):
         for name, (_, tp_dim) in _LINEARS.items():
             # what megatron's DDP, optimizer and grad-norm code read (as on SequentialMLP's linears)
             param = getattr(self, name)
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, tp_dim + 1, 1
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = (
+                True,
+                tp_dim + 1,
+                1,
+            )
             param.allreduce = not config.expert_model_parallel_size > 1
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stack_per_expert_state_dict)

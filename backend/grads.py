@@ -20,7 +20,9 @@ def is_expert(name: str) -> bool:
 
 
 def _tp_partial(name: str, param: torch.Tensor) -> bool:
-    return getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+    return (
+        getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+    )
 
 
 def sync_grads(model: torch.nn.Module, groups: ProcessGroups) -> None:

@@ -36,8 +36,17 @@ class Qwen3MoeSpec:
     router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "num_experts", "top_k", "moe_ffn_hidden_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_ffn_hidden_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.top_k > self.num_experts:
@@ -65,25 +74,33 @@ def _read_dict(source: Any) -> dict:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no config.json at {path}: pass an HF checkpoint directory or its config.json")
+        raise ConfigError(
+            f"no config.json at {path}: pass an HF checkpoint directory or its config.json"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}): re-download or re-export the config") from err
+        raise ConfigError(
+            f"{path} is not valid JSON ({err}): re-download or re-export the config"
+        ) from err
 
 
 def _first(cfg: dict, *keys: str) -> Any:
     for key in keys:
         if cfg.get(key) is not None:
             return cfg[key]
-    raise ConfigError(f"config has no {' / '.join(keys)}: is this a complete Qwen3-MoE config.json?")
+    raise ConfigError(
+        f"config has no {' / '.join(keys)}: is this a complete Qwen3-MoE config.json?"
+    )
 
 
 def _rope_theta(cfg: dict) -> float:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
-        raise ConfigError(f"rope type {rope_type!r} is not supported yet: only default RoPE (Qwen3-MoE as released)")
+        raise ConfigError(
+            f"rope type {rope_type!r} is not supported yet: only default RoPE (Qwen3-MoE as released)"
+        )
     if cfg.get("rope_theta") is not None:
         return float(cfg["rope_theta"])
     if rope.get("rope_theta") is not None:
@@ -98,7 +115,9 @@ def _check_architecture(cfg: dict) -> None:
             "this backend builds Qwen3-MoE models only"
         )
     if cfg.get("tie_word_embeddings", False):
-        raise ConfigError("tie_word_embeddings=true is not supported: Qwen3-MoE has an untied lm_head")
+        raise ConfigError(
+            "tie_word_embeddings=true is not supported: Qwen3-MoE has an untied lm_head"
+        )
     if cfg.get("attention_bias", False):
         raise ConfigError("attention_bias=true is not supported: Qwen3-MoE attention has no biases")
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:

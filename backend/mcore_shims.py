@@ -255,6 +255,8 @@ def _patch_dist_optim_load_adam_step() -> None:
 
     set_states._keeps_step = True
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 def _noop_decorator(func):
     return func
 

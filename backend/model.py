@@ -208,6 +208,8 @@ def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
                 param.allreduce = False
                 tagged += 1
     return tagged
+
+
 # norms over the hidden size, applied to the sequence shard each TP rank holds under sequence
 # parallelism (q/k norms are per head: grad finalisation recognises them by name)
 SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")

@@ -33,7 +33,9 @@ class RouterCall:
     routing_map_TE: torch.Tensor  # bool, True where a token was sent to an expert
     valid_T: torch.Tensor | None  # bool mask of tokens that count, None = all
     recompute: bool  # True when activation recompute replays the forward during backward
-    make_logits: Callable[[], torch.Tensor]  # computed only if a listener asks (the monitor does not)
+    make_logits: Callable[
+        [], torch.Tensor
+    ]  # computed only if a listener asks (the monitor does not)
     own_map_TE: torch.Tensor | None = None  # the router's own top-k (None: routing_map_TE)
     reference_TK: torch.Tensor | None = None  # expert ids to compare with (e.g. the rollout's)
     reference_T: torch.Tensor | None = None  # bool, tokens where reference_TK counts
@@ -168,7 +170,9 @@ class RouterTap(TapBase):
             routing_map_TE=routing_map_TE,
             valid_T=self._local_valid_T(hidden_TH.shape[0]),
             recompute=in_backward(),
-            make_logits=lambda: torch.nn.functional.linear(hidden_TH.float(), router.weight.float()),
+            make_logits=lambda: torch.nn.functional.linear(
+                hidden_TH.float(), router.weight.float()
+            ),
             own_map_TE=own_map_TE,
             reference_TK=None if reference is None else reference[0][:, layer],
             reference_T=None if reference is None else reference[1],

@@ -26,9 +26,13 @@ SPACE_MARGIN = 1.05
 
 def check_target(target: Path, force: bool) -> None:
     if target.exists() and not force:
-        raise ConversionError(f"output {target} exists: pass --force to replace it or choose another path")
+        raise ConversionError(
+            f"output {target} exists: pass --force to replace it or choose another path"
+        )
     if not target.parent.is_dir():
-        raise ConversionError(f"parent directory {target.parent} of the output does not exist: create it first")
+        raise ConversionError(
+            f"parent directory {target.parent} of the output does not exist: create it first"
+        )
 
 
 def check_free_space(target: Path, need_bytes: int) -> None:
@@ -67,7 +71,9 @@ def remove_stale_temps(target: Path) -> list[Path]:
     for path in target.parent.iterdir():
         match = pattern.match(path.name)
         if match and int(match[2]) != os.getpid() and not _alive(int(match[2])):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
+                missing_ok=True
+            )
             removed.append(path)
     return removed
 

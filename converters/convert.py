@@ -35,8 +35,16 @@ from converters.readahead import ReadAhead
 HF_CONFIG = "hf_config.json"  # the source config.json, kept beside the dist checkpoint
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # spec fields a --target-config must share with the checkpoint
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "num_experts", "moe_ffn_hidden_size")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "moe_ffn_hidden_size",
+)
 
 
 def table(spec: Qwen3MoeSpec) -> dict[str, tuple[Row, tuple[str, ...]]]:
@@ -45,6 +53,7 @@ def table(spec: Qwen3MoeSpec) -> dict[str, tuple[Row, tuple[str, ...]]]:
 
 
 # ---- checks -------------------------------------------------------------------------
+
 
 def check_target_config(spec: Qwen3MoeSpec, target: str | Path) -> None:
     want = load_qwen3_moe_spec(target)
@@ -64,7 +73,9 @@ def check_plans(spec: Qwen3MoeSpec, plans: list[tuple[int, int, int, int]]) -> N
     for tp, ep, pp, etp in plans:
         try:
             world = lcm(tp * pp, etp * ep * pp)
-            check_against_model(ParallelPlan(tp=tp, ep=ep, pp=pp, etp=etp, devices_per_node=world), spec)
+            check_against_model(
+                ParallelPlan(tp=tp, ep=ep, pp=pp, etp=etp, devices_per_node=world), spec
+            )
         except PlanError as err:
             raise ConversionError(f"plan tp={tp} ep={ep} pp={pp} etp={etp}: {err}") from err
 
@@ -81,34 +92,44 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
     rows, used = table(spec), set()
     missing = [h for _, hf in rows.values() for h in hf if h not in src.entries]
     if missing:
-        raise MappingError(f"HF checkpoint lacks {_first(missing)}: "
-                           "is the checkpoint complete and for this config.json?")
+        raise MappingError(
+            f"HF checkpoint lacks {_first(missing)}: "
+            "is the checkpoint complete and for this config.json?"
+        )
     for name, (row, hf) in rows.items():
         used.update(hf)
         for h, part in zip(hf, split_row(row, _meta(layout.shapes[name]), spec), strict=True):
             if src.entries[h].shape != tuple(part.shape):
-                raise MappingError(f"{h} has shape {src.entries[h].shape}, {name} {layout.shapes[name]} needs "
-                                   f"{tuple(part.shape)}: config.json and the weights disagree")
+                raise MappingError(
+                    f"{h} has shape {src.entries[h].shape}, {name} {layout.shapes[name]} needs "
+                    f"{tuple(part.shape)}: config.json and the weights disagree"
+                )
     extra = sorted(n for n in src.entries if n not in used and not HF_IGNORED.match(n))
     if extra:
-        raise MappingError(f"HF checkpoint has {_first(extra)} that this config "
-                           "does not use: does config.json (layers, experts) match the weights?")
+        raise MappingError(
+            f"HF checkpoint has {_first(extra)} that this config "
+            "does not use: does config.json (layers, experts) match the weights?"
+        )
 
 
 def _first(names: list[str]) -> str:
     return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
-def read_param_from_hf(src: HFSource, layout: Layout, row: Row, hf: tuple[str, ...], name: str,
-                       spec: Qwen3MoeSpec) -> torch.Tensor:
+def read_param_from_hf(
+    src: HFSource, layout: Layout, row: Row, hf: tuple[str, ...], name: str, spec: Qwen3MoeSpec
+) -> torch.Tensor:
     """One world-1 parameter from its HF tensors. Where the table's split of the parameter
     gives views of it (copied rows, GLU gate/up halves), each HF tensor is read straight
     into its place; otherwise (QKV regrouping) the parts are combined."""
     param = torch.empty(layout.shapes[name], dtype=layout.dtype)
     parts = split_row(row, param, spec)
-    in_place = all(p.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
-                   and p.is_contiguous() and src.entries[h].dtype == layout.dtype
-                   for h, p in zip(hf, parts, strict=True))
+    in_place = all(
+        p.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+        and p.is_contiguous()
+        and src.entries[h].dtype == layout.dtype
+        for h, p in zip(hf, parts, strict=True)
+    )
     if not in_place:
         return combine_row(row, [src[h].to(layout.dtype) for h in hf], spec)
     for h, part in zip(hf, parts, strict=True):
@@ -125,14 +146,24 @@ def param_bytes(layout: Layout) -> int:
 
 
 def _bar(total: int, desc: str, progress: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+    )
 
 
 # ---- HF -> mcore --------------------------------------------------------------------
 
-def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: str | Path | None = None,
-                        plans: list[tuple[int, int, int, int]] = (), dtype: str | None = None,
-                        force: bool = False, progress: bool = False) -> Path:
+
+def convert_hf_to_mcore(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    target_config: str | Path | None = None,
+    plans: list[tuple[int, int, int, int]] = (),
+    dtype: str | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     check_target(out, force)
     spec = load_qwen3_moe_spec(hf_dir)
@@ -156,11 +187,16 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: s
     from converters.dist_ckpt import save_streaming
 
     try:
-        with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "hf-to-mcore", progress) as bar, \
-                ReadAhead(layout.pieces, materialize, layout.nbytes) as params:
+        with (
+            atomic_dir(out, force) as tmp,
+            _bar(param_bytes(layout), "hf-to-mcore", progress) as bar,
+            ReadAhead(layout.pieces, materialize, layout.nbytes) as params,
+        ):
             hashed = save_streaming(layout, params, tmp, bar.update)
             shutil.copy2(hf_dir / "config.json", tmp / HF_CONFIG)
-            manifest.write(tmp, hashed, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(
+                tmp, hashed, source=str(hf_dir), dtype=str(layout.dtype).removeprefix("torch.")
+            )
     finally:
         manifest.close()
     return out
@@ -168,10 +204,13 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *, target_config: s
 
 # ---- mcore -> HF --------------------------------------------------------------------
 
+
 def checkpoint_dtype(reader: DistReader, layout: Layout) -> torch.dtype:
     dtypes = {reader.dtype(p.key) for ps in layout.pieces.values() for p in ps}
     if len(dtypes) != 1:
-        raise ConversionError(f"dist checkpoint mixes dtypes {sorted(map(str, dtypes))}: pass --dtype")
+        raise ConversionError(
+            f"dist checkpoint mixes dtypes {sorted(map(str, dtypes))}: pass --dtype"
+        )
     return dtypes.pop()
 
 
@@ -181,7 +220,8 @@ def check_global_shapes(reader: DistReader, layout: Layout, config: str) -> None
             have = reader.global_shape(p.key)
             # a vocab padded for TP keeps its extra rows at the end: read the first vocab_size
             padded = p.key.endswith(("word_embeddings.weight", "output_layer.weight")) and (
-                have[1:] == p.global_shape[1:] and have[0] >= p.global_shape[0])
+                have[1:] == p.global_shape[1:] and have[0] >= p.global_shape[0]
+            )
             if have != p.global_shape and not padded:
                 raise ConversionError(
                     f"{p.key}: checkpoint has global shape {have}, {config} implies {p.global_shape}; "
@@ -202,8 +242,9 @@ def read_param(reader: DistReader, layout: Layout, name: str) -> torch.Tensor:
     return param
 
 
-def hf_tensors(reader: DistReader, layout: Layout, spec: Qwen3MoeSpec,
-               manifest: ManifestWriter) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    reader: DistReader, layout: Layout, spec: Qwen3MoeSpec, manifest: ManifestWriter
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (hub layout) tensors in model order, read ahead of the caller and queued for
     hashing as they are read (the hashing goes on while the caller's writes wait)."""
     rows = table(spec)
@@ -226,27 +267,45 @@ def hf_specs(layout: Layout, spec: Qwen3MoeSpec) -> list[TensorSpec]:
     for name, shape in layout.shapes.items():
         row, hf = rows[name]
         parts = split_row(row, _meta(shape, layout.dtype), spec)
-        out.extend(TensorSpec(h, tuple(t.shape), layout.dtype) for h, t in zip(hf, parts, strict=True))
+        out.extend(
+            TensorSpec(h, tuple(t.shape), layout.dtype) for h, t in zip(hf, parts, strict=True)
+        )
     return out
 
 
 def load_spec_for(reader: DistReader, config: str | Path | None, template: str | Path | None):
-    source = config or template or (reader.root / HF_CONFIG if (reader.root / HF_CONFIG).is_file() else None)
+    source = (
+        config
+        or template
+        or (reader.root / HF_CONFIG if (reader.root / HF_CONFIG).is_file() else None)
+    )
     if source is None:
-        raise ConversionError(f"no model config for {reader.root}: pass --config or --template (an HF dir of this model)")
+        raise ConversionError(
+            f"no model config for {reader.root}: pass --config or --template (an HF dir of this model)"
+        )
     return load_qwen3_moe_spec(source), str(source)
 
 
-def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Path,
-                        config: str | Path | None = None, dtype: str | None = None,
-                        max_shard_bytes: int = 4 << 30, force: bool = False,
-                        progress: bool = False, check_manifest: bool = True) -> Path:
+def convert_mcore_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    template: str | Path,
+    config: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 << 30,
+    force: bool = False,
+    progress: bool = False,
+    check_manifest: bool = True,
+) -> Path:
     """check_manifest: every source file and chunk is checked against the source's
     manifest.json as it is read (refused without one)."""
     out, template = Path(out).absolute(), Path(template)
     check_target(out, force)
     if not (template / "config.json").is_file():
-        raise ConversionError(f"--template {template} has no config.json: pass the original HF model dir")
+        raise ConversionError(
+            f"--template {template} has no config.json: pass the original HF model dir"
+        )
     reader = DistReader(ckpt, check_manifest=check_manifest)
     spec, source = load_spec_for(reader, config, template)
     layout = build_layout(spec, torch.float32)
@@ -257,7 +316,10 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
 
     manifest = ManifestWriter("hf-safetensors")
     try:
-        with atomic_dir(out, force) as tmp, _bar(param_bytes(layout), "mcore-to-hf", progress) as bar:
+        with (
+            atomic_dir(out, force) as tmp,
+            _bar(param_bytes(layout), "mcore-to-hf", progress) as bar,
+        ):
             writer = ShardedWriter(tmp, specs, max_shard_bytes)
             try:
                 for name, tensor in hf_tensors(reader, layout, spec, manifest):
@@ -268,7 +330,12 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, template: str | Pa
             finally:
                 writer.abort()
             copy_template(template, tmp)
-            manifest.write(tmp, writer.hashed, source=str(reader.root), dtype=str(layout.dtype).removeprefix("torch."))
+            manifest.write(
+                tmp,
+                writer.hashed,
+                source=str(reader.root),
+                dtype=str(layout.dtype).removeprefix("torch."),
+            )
     finally:
         manifest.close()
     return out

@@ -52,7 +52,7 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     start = t.storage_offset() * t.element_size()
     raw = memoryview(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy())
-    return torch.frombuffer(raw[start:start + t.nbytes], dtype=t.dtype).reshape(t.shape)
+    return torch.frombuffer(raw[start : start + t.nbytes], dtype=t.dtype).reshape(t.shape)
 
 
 @contextmanager
@@ -71,8 +71,13 @@ def no_zip_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
-                  materialize: Callable[[str], torch.Tensor], progress: Callable[[int], None]) -> dict:
+def write_sharded(
+    root: Path,
+    layout: Layout,
+    objects: dict[str, io.BytesIO],
+    materialize: Callable[[str], torch.Tensor],
+    progress: Callable[[int], None],
+) -> dict:
     """Objects, then every parameter's chunks in model order; then `.metadata`. Returns the
     data file's manifest entry (each item's sha256, hashed as it is written)."""
     state: dict = {key: BytesStorageMetadata() for key in objects}
@@ -93,9 +98,16 @@ def write_sharded(root: Path, layout: Layout, objects: dict[str, io.BytesIO],
             param = materialize(name)
             for p in pieces:
                 data = own_storage(p.of(param).reshape(p.shape))
-                record(MetadataIndex(p.key, torch.Size(p.offset)), lambda data=data: torch.save(data, stream))
-                entry = state.setdefault(p.key, TensorStorageMetadata(
-                    TensorProperties(dtype=layout.dtype), torch.Size(p.global_shape), []))
+                record(
+                    MetadataIndex(p.key, torch.Size(p.offset)),
+                    lambda data=data: torch.save(data, stream),
+                )
+                entry = state.setdefault(
+                    p.key,
+                    TensorStorageMetadata(
+                        TensorProperties(dtype=layout.dtype), torch.Size(p.global_shape), []
+                    ),
+                )
                 entry.chunks.append(ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)))
                 progress(data.nbytes)
             del param  # one parameter in memory at a time
@@ -112,7 +124,9 @@ def _write_metadata(root: Path, metadata: Metadata) -> None:
         metadata.version = filesystem.CURRENT_DCP_VERSION
     metadata.storage_meta = StorageMeta(checkpoint_id=root, save_id=uuid.uuid4().hex)
     # megatron-core 0.12 stores per-tensor extras here (used only for optimizer states)
-    metadata.mcore_data = {k: {} for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    metadata.mcore_data = {
+        k: {} for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")
+    }
     tmp = root / f"{METADATA}.tmp"
     with open(tmp, "wb") as f:
         pickle.dump(metadata, f)
@@ -136,19 +150,33 @@ def _strategy(layout: Layout, materialize: Callable, progress: Callable, hashed:
 
         def save(self, sharded_state_dict, checkpoint_dir):
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-            chunks = {(s.key, tuple(s.global_offset)) for v in flat.values() for s in v if isinstance(s, ShardedTensor)}
+            chunks = {
+                (s.key, tuple(s.global_offset))
+                for v in flat.values()
+                for s in v
+                if isinstance(s, ShardedTensor)
+            }
             planned = {(p.key, p.offset) for ps in layout.pieces.values() for p in ps}
             assert chunks == planned, "the layout and megatron's sharded state dict disagree"
             objects = {k: v for k, v in flat.items() if isinstance(v[0], ShardedObject)}
             # megatron's own encoding of sharded objects (torch.save of their list)
-            hashed[DATA_FILE] = write_sharded(Path(checkpoint_dir), layout, mcore_to_pyt_state_dict(objects, False),
-                                              materialize, progress)
+            hashed[DATA_FILE] = write_sharded(
+                Path(checkpoint_dir),
+                layout,
+                mcore_to_pyt_state_dict(objects, False),
+                materialize,
+                progress,
+            )
 
     return StreamingTorchDist("torch_dist", 1)
 
 
-def save_streaming(layout: Layout, materialize: Callable[[str], torch.Tensor], out_dir: Path,
-                   progress: Callable[[int], None] = lambda n: None) -> dict[str, dict]:
+def save_streaming(
+    layout: Layout,
+    materialize: Callable[[str], torch.Tensor],
+    out_dir: Path,
+    progress: Callable[[int], None] = lambda n: None,
+) -> dict[str, dict]:
     """Write `layout`'s checkpoint to out_dir, each parameter from `materialize(name)`.
     Returns the manifest entries of the files hashed while written (the data file)."""
     from megatron.core import dist_checkpointing

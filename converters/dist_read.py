@@ -58,14 +58,18 @@ class DistReader:
         """check_manifest: every file and chunk read is checked against the checkpoint's
         manifest.json as it is read (ManifestError, one line, on any difference)."""
         self.root = find_dist_dir(path)
-        self.hashes = ChunkHashes(self.root, load_files_manifest(self.root)) if check_manifest else None
+        self.hashes = (
+            ChunkHashes(self.root, load_files_manifest(self.root)) if check_manifest else None
+        )
         self._check_backend()
         meta = load_metadata(self.root / METADATA, self._small_file(METADATA))
         self.tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
         self.storage = {(i.fqn, tuple(i.offset or ())): s for i, s in meta.storage_data.items()}
         self._buckets = {key: _bucket_chunks(md.chunks) for key, md in self.tensors.items()}
         self._native: dict[Path, bool] = {}  # data file -> written in this machine's byte order
-        if self.hashes is not None:  # megatron's non-sharded part: not read here, but exported with it
+        if (
+            self.hashes is not None
+        ):  # megatron's non-sharded part: not read here, but exported with it
             self._small_file(COMMON)
 
     def check_unread(self) -> None:
@@ -81,7 +85,9 @@ class DistReader:
         except FileNotFoundError:
             if name == COMMON and self.hashes is not None and name not in self.hashes.files:
                 return None
-            raise ConversionError(f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it") from None
+            raise ConversionError(
+                f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it"
+            ) from None
         if self.hashes is not None:
             self.hashes.check_file(name, data)
         return data
@@ -89,9 +95,15 @@ class DistReader:
     def _check_backend(self) -> None:
         config = self.root / CONFIG
         try:
-            backend = json.loads(self._small_file(CONFIG)).get("sharded_backend") if config.is_file() else None
+            backend = (
+                json.loads(self._small_file(CONFIG)).get("sharded_backend")
+                if config.is_file()
+                else None
+            )
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            raise ConversionError(f"{config} is not valid JSON: the save did not finish; re-save the checkpoint") from None
+            raise ConversionError(
+                f"{config} is not valid JSON: the save did not finish; re-save the checkpoint"
+            ) from None
         if backend != "torch_dist":
             raise ConversionError(
                 f"{self.root} has sharded_backend {backend!r} in {CONFIG}: only torch_dist is read; "
@@ -100,19 +112,30 @@ class DistReader:
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         if key not in self.tensors:
-            raise ConversionError(f"dist checkpoint {self.root} lacks {key}: was it saved from this model and config?")
+            raise ConversionError(
+                f"dist checkpoint {self.root} lacks {key}: was it saved from this model and config?"
+            )
         return tuple(self.tensors[key].size)
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def region(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...],
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def region(
+        self,
+        key: str,
+        offset: tuple[int, ...],
+        shape: tuple[int, ...],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The [offset, offset + shape) box of global tensor `key`, from every chunk it overlaps
         (into `out` when given: same dtype, shape `shape`)."""
         self.global_shape(key)
         lead, buckets = self._buckets[key]
-        chunks = buckets.get(offset[:lead], []) if shape[:lead] == (1,) * lead else self.tensors[key].chunks
+        chunks = (
+            buckets.get(offset[:lead], [])
+            if shape[:lead] == (1,) * lead
+            else self.tensors[key].chunks
+        )
         for chunk in chunks:  # stored as asked: no assembly
             if tuple(chunk.offsets) == offset and tuple(chunk.sizes) == shape:
                 return self._read_chunk(key, offset, out).reshape(shape)
@@ -120,22 +143,33 @@ class DistReader:
         covered = 0
         for chunk in chunks:
             lo = [max(o, c) for o, c in zip(offset, chunk.offsets, strict=True)]
-            hi = [min(o + s, c + n) for o, s, c, n in zip(offset, shape, chunk.offsets, chunk.sizes, strict=True)]
+            hi = [
+                min(o + s, c + n)
+                for o, s, c, n in zip(offset, shape, chunk.offsets, chunk.sizes, strict=True)
+            ]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
             data = self._read_chunk(key, tuple(chunk.offsets))
-            src = data[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets, strict=True))]
+            src = data[
+                tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets, strict=True))
+            ]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = src
             covered += src.numel()
         if covered != out.numel():
-            raise ConversionError(f"dist checkpoint {self.root} does not cover all of {key} at {offset}: the save was incomplete")
+            raise ConversionError(
+                f"dist checkpoint {self.root} does not cover all of {key} at {offset}: the save was incomplete"
+            )
         return out
 
-    def _read_chunk(self, key: str, offset: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+    def _read_chunk(
+        self, key: str, offset: tuple[int, ...], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A stored chunk; into `out` (contiguous, the chunk's dtype and size) when given."""
         info = self.storage[(key, offset)]
         if getattr(info, "transform_descriptors", None):
-            raise ConversionError(f"{key} is stored with transforms {info.transform_descriptors}: not supported")
+            raise ConversionError(
+                f"{key} is stored with transforms {info.transform_descriptors}: not supported"
+            )
         path = self._data_path(info.relative_path)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -150,25 +184,37 @@ class DistReader:
         except (ConversionError, ManifestError):
             raise
         except FileNotFoundError:
-            raise ConversionError(f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it") from None
+            raise ConversionError(
+                f"{path} is missing: the checkpoint is incomplete; re-save or re-copy it"
+            ) from None
         except Exception as err:  # a damaged zip record or pickle inside the chunk
-            raise ConversionError(f"{path} holds a damaged chunk of {key} at byte {info.offset} "
-                                  f"({type(err).__name__}): re-save or re-copy the checkpoint") from None
+            raise ConversionError(
+                f"{path} holds a damaged chunk of {key} at byte {info.offset} "
+                f"({type(err).__name__}): re-save or re-copy the checkpoint"
+            ) from None
 
     def _data_path(self, relative: str) -> Path:
         if Path(relative).is_absolute() or ".." in Path(relative).parts:
-            raise ConversionError(f"{self.root / METADATA} points outside the checkpoint ({relative}): "
-                                  "re-save the checkpoint or restore it from a trusted copy")
+            raise ConversionError(
+                f"{self.root / METADATA} points outside the checkpoint ({relative}): "
+                "re-save the checkpoint or restore it from a trusted copy"
+            )
         return self.root / relative
 
-    def _read_checked(self, chunk: "_Slice", info, out: torch.Tensor | None, native: bool) -> torch.Tensor:
+    def _read_checked(
+        self, chunk: "_Slice", info, out: torch.Tensor | None, native: bool
+    ) -> torch.Tensor:
         """As read_slice, and the chunk's bytes hashed as they are read: the data where it lands
         (straight in `out`), the small zip/pickle records around it read apart."""
         if native and out is not None and out.is_contiguous():
             start = _load_into(chunk, out)
             if start is not None:
                 end = start + out.nbytes
-                parts = [_pread(chunk, 0, start), tensor_memory(out), _pread(chunk, end, info.length - end)]
+                parts = [
+                    _pread(chunk, 0, start),
+                    tensor_memory(out),
+                    _pread(chunk, end, info.length - end),
+                ]
                 self.hashes.check_chunk(info.relative_path, info.offset, info.length, parts)
                 return out
         raw = _pread(chunk, 0, info.length)
@@ -180,7 +226,7 @@ class DistReader:
 def _pread(chunk: "_Slice", start: int, length: int) -> bytes:
     chunk.seek(start)
     buffer = bytearray(length)
-    return bytes(buffer[:read_exact(chunk, memoryview(buffer))])
+    return bytes(buffer[: read_exact(chunk, memoryview(buffer))])
 
 
 def read_slice(chunk: "_Slice", out: torch.Tensor | None, native: bool) -> torch.Tensor:
@@ -199,7 +245,9 @@ def native_byte_order(chunk: "_Slice") -> bool:
     """Whether a torch.save'd chunk holds its data in this machine's byte order (its
     `byteorder` record; torch.load takes a file without one as little-endian)."""
     with zipfile.ZipFile(chunk) as z:
-        record = next((i for i in z.infolist() if i.filename.rsplit("/", 1)[-1] == "byteorder"), None)
+        record = next(
+            (i for i in z.infolist() if i.filename.rsplit("/", 1)[-1] == "byteorder"), None
+        )
     order = "little" if record is None else _stored_record(chunk, record).decode()
     chunk.seek(0)
     return order == sys.byteorder
@@ -221,12 +269,19 @@ def _load_into(chunk: "_Slice", out: torch.Tensor) -> int | None:
     whose meta loads give no record offsets)."""
     meta = torch.load(chunk, map_location="meta", weights_only=True)  # the pickle only, no data
     start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if (start is None or not meta.is_contiguous() or meta.storage_offset() != 0
-            or meta.dtype != out.dtype or meta.numel() != out.numel()):
+    if (
+        start is None
+        or not meta.is_contiguous()
+        or meta.storage_offset() != 0
+        or meta.dtype != out.dtype
+        or meta.numel() != out.numel()
+    ):
         return None
     chunk.seek(start)
     if read_exact(chunk, tensor_memory(out)) != out.nbytes:
-        raise ConversionError(f"{chunk.f.name} ends inside a chunk at {chunk.start}: re-save the checkpoint")
+        raise ConversionError(
+            f"{chunk.f.name} ends inside a chunk at {chunk.start}: re-save the checkpoint"
+        )
     return start
 
 

@@ -25,14 +25,20 @@ def shard_files(ckpt_dir: str | Path) -> list[Path]:
         files = [root / name for name in dict.fromkeys(weight_map.values())]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise CheckpointError(f"{index.name} names missing shard(s) {', '.join(absent)}: re-download them into {root}")
+            raise CheckpointError(
+                f"{index.name} names missing shard(s) {', '.join(absent)}: re-download them into {root}"
+            )
         return files
     if (root / SINGLE).is_file():
         return [root / SINGLE]
-    raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}: is this an HF safetensors checkpoint?")
+    raise CheckpointError(
+        f"no {SINGLE} or {INDEX} in {root}: is this an HF safetensors checkpoint?"
+    )
 
 
-def read_state_dict(ckpt_dir: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    ckpt_dir: str | Path, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, in memory (small models; the converters stream instead)."""
     out: dict[str, torch.Tensor] = {}
     for path in shard_files(ckpt_dir):
@@ -42,5 +48,7 @@ def read_state_dict(ckpt_dir: str | Path, dtype: torch.dtype | None = None) -> d
                     tensor = shard.get_tensor(name)
                     out[name] = tensor if dtype is None else tensor.to(dtype)
         except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{path.name} is unreadable or truncated ({err}): re-download it") from err
+            raise CheckpointError(
+                f"{path.name} is unreadable or truncated ({err}): re-download it"
+            ) from err
     return out

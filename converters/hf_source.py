@@ -16,9 +16,16 @@ from safetensors import SafetensorError, safe_open
 from converters.hf_io import INDEX, CheckpointError, shard_files
 
 DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -43,16 +50,22 @@ def _entries(path: Path) -> dict[str, Entry]:
         with safe_open(path, framework="pt"):  # validates the header against the file length
             pass
     except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path.name} is unreadable or truncated ({err}): re-download it") from err
+        raise CheckpointError(
+            f"{path.name} is unreadable or truncated ({err}): re-download it"
+        ) from err
     header, base = _header(path)
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         if meta["dtype"] not in DTYPES:
-            raise CheckpointError(f"{path.name}: {name} has dtype {meta['dtype']}, which the converters do not read")
+            raise CheckpointError(
+                f"{path.name}: {name} has dtype {meta['dtype']}, which the converters do not read"
+            )
         start, end = meta["data_offsets"]
-        out[name] = Entry(path, DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, end - start)
+        out[name] = Entry(
+            path, DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, end - start
+        )
     return out
 
 
@@ -75,7 +88,9 @@ class HFSource(Mapping):
         for name, file in json.loads(index.read_text())["weight_map"].items():
             entry = self.entries.get(name)
             if entry is None or entry.file.name != file:
-                raise CheckpointError(f"{INDEX} maps {name} to {file}, which does not hold it: re-download the checkpoint")
+                raise CheckpointError(
+                    f"{INDEX} maps {name} to {file}, which does not hold it: re-download the checkpoint"
+                )
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +101,9 @@ class HFSource(Mapping):
         dtypes = {e.dtype for e in self.entries.values()}
         if len(dtypes) != 1:
             names = ", ".join(sorted(str(d) for d in dtypes))
-            raise CheckpointError(f"checkpoint mixes dtypes ({names}): pass --dtype to convert to one")
+            raise CheckpointError(
+                f"checkpoint mixes dtypes ({names}): pass --dtype to convert to one"
+            )
         return dtypes.pop()
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -103,7 +120,9 @@ class HFSource(Mapping):
         """Read tensor `name` into `out` (contiguous, same shape and dtype) without a copy."""
         entry = self.entries[name]
         if tuple(out.shape) != entry.shape or out.dtype != entry.dtype or not out.is_contiguous():
-            raise AssertionError(f"{name}: cannot read {entry.shape} {entry.dtype} into {tuple(out.shape)} {out.dtype}")
+            raise AssertionError(
+                f"{name}: cannot read {entry.shape} {entry.dtype} into {tuple(out.shape)} {out.dtype}"
+            )
         with open(entry.file, "rb", buffering=0) as f:
             f.seek(entry.start)
             got = read_exact(f, tensor_memory(out))
@@ -115,7 +134,11 @@ class HFSource(Mapping):
 def tensor_memory(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's own bytes, writable (reads land in the tensor)."""
     assert t.is_contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(bytearray())
+    return (
+        memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        if t.numel()
+        else memoryview(bytearray())
+    )
 
 
 def read_exact(f, buffer: memoryview) -> int:

@@ -50,8 +50,11 @@ def plan_shards(tensors: list[TensorSpec], max_shard_bytes: int) -> list[list[Te
 def shard_header(shard: list[TensorSpec]) -> bytes:
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in shard:
-        entries[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                           "data_offsets": [offset, offset + t.nbytes]}
+        entries[t.name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -74,7 +77,9 @@ class ShardedWriter:
         self.out = Path(out_dir)
         self.shards = plan_shards(tensors, max_shard_bytes)
         n = len(self.shards)
-        self.files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.files = (
+            [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._next, self._stream, self._shard = 0, None, -1
         self.hashed: dict[str, dict] = {}  # manifest entries of the finished shards
@@ -82,7 +87,9 @@ class ShardedWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         shard, spec = self._queue[self._next]
         if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise AssertionError(f"writer expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+            raise AssertionError(
+                f"writer expected {spec}, got {name} {tuple(tensor.shape)} {tensor.dtype}"
+            )
         if shard != self._shard:
             self._open(shard)
         self._stream.write(tensor_bytes(tensor))
@@ -116,7 +123,11 @@ def copy_template(template: Path, out_dir: Path) -> list[str]:
     """Config, generation config, tokenizer and other non-weight files of an HF dir."""
     copied = []
     for path in sorted(Path(template).iterdir()):
-        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name not in WEIGHT_INDEXES:
+        if (
+            path.is_file()
+            and not path.name.endswith(WEIGHT_SUFFIXES)
+            and path.name not in WEIGHT_INDEXES
+        ):
             shutil.copy2(path, out_dir / path.name)
             copied.append(path.name)
     return copied

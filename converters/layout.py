@@ -58,7 +58,9 @@ def world1_groups():
         return init_parallel("cpu")
     groups = current_groups()
     if groups.size("world") != 1:
-        raise ConversionError("the converters run in a single process: call them outside a parallel job")
+        raise ConversionError(
+            "the converters run in a single process: call them outside a parallel job"
+        )
     return groups
 
 
@@ -94,8 +96,11 @@ def _build_layout(spec: Qwen3MoeSpec, dtype: torch.dtype) -> Layout:
         # torch norms stay fp32 whatever params_dtype; training casts the whole model
         # (Float16Module), so its checkpoints hold one dtype: so do ours
         model = model.to(dtype)
-    shapes = {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()
-              if isinstance(p, torch.Tensor) and not name.endswith("_extra_state")}
+    shapes = {
+        name: tuple(p.shape)
+        for name, p in model.state_dict(keep_vars=True).items()
+        if isinstance(p, torch.Tensor) and not name.endswith("_extra_state")
+    }
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
     layout = Layout(sharded, shapes, dtype=dtype)

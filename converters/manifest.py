@@ -76,12 +76,16 @@ class ManifestWriter:
     def write(self, out_dir: Path, hashed: dict[str, dict] | None = None, **info) -> None:
         """manifest.json in out_dir: the tensors, and every file (`hashed`: the entries of
         files hashed while they were written; the others are read and hashed here)."""
-        tensors = {name: {"sha256": f.result(), "shape": shape, "dtype": dtype}
-                   for name, (shape, dtype, f) in self._entries.items()}
+        tensors = {
+            name: {"sha256": f.result(), "shape": shape, "dtype": dtype}
+            for name, (shape, dtype, f) in self._entries.items()
+        }
         self._pool.shutdown()
         files = scan_files(Path(out_dir), hashed or {})
-        _write_json(Path(out_dir) / NAME, {"version": VERSION, "format": self.kind, **info,
-                                          "files": files, "tensors": tensors})
+        _write_json(
+            Path(out_dir) / NAME,
+            {"version": VERSION, "format": self.kind, **info, "files": files, "tensors": tensors},
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -90,7 +94,9 @@ class ManifestWriter:
 def read_manifest(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / NAME
     if not path.is_file():
-        raise ConversionError(f"no {NAME} in {ckpt_dir}: only converter outputs carry one; compare two checkpoints instead")
+        raise ConversionError(
+            f"no {NAME} in {ckpt_dir}: only converter outputs carry one; compare two checkpoints instead"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -98,6 +104,7 @@ def read_manifest(ckpt_dir: Path) -> dict:
 
 
 # ---- files ------------------------------------------------------------------------------
+
 
 class HashingStream:
     """An output file that hashes what passes through it: the whole file, or the byte ranges
@@ -148,7 +155,10 @@ def _sha256_range(f, offset: int, length: int) -> str:
 
 def hash_file(path: Path) -> dict:
     with open(path, "rb") as f:
-        return {"size": os.fstat(f.fileno()).st_size, "sha256": _sha256_range(f, 0, os.fstat(f.fileno()).st_size)}
+        return {
+            "size": os.fstat(f.fileno()).st_size,
+            "sha256": _sha256_range(f, 0, os.fstat(f.fileno()).st_size),
+        }
 
 
 def item_ranges(root: Path) -> dict[str, list[tuple[int, int]]]:
@@ -182,13 +192,17 @@ def hash_data_file(path: Path, ranges: list[tuple[int, int]]) -> dict:
 def scan_files(root: Path, hashed: dict[str, dict] | None = None) -> dict[str, dict]:
     """Entries for every file below root but the manifest (`hashed`: ones already known)."""
     hashed = dict(hashed or {})
-    data_files = [p for p in root.rglob(f"*{DATA_SUFFIX}") if p.relative_to(root).as_posix() not in hashed]
+    data_files = [
+        p for p in root.rglob(f"*{DATA_SUFFIX}") if p.relative_to(root).as_posix() not in hashed
+    ]
     ranges = item_ranges(root) if data_files else {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
         if name == NAME or name in hashed:
             continue
-        hashed[name] = hash_data_file(path, ranges.get(name, [])) if name in ranges else hash_file(path)
+        hashed[name] = (
+            hash_data_file(path, ranges.get(name, [])) if name in ranges else hash_file(path)
+        )
     return dict(sorted(hashed.items()))
 
 
@@ -215,16 +229,22 @@ def load_files_manifest(ckpt_dir: str | Path) -> dict[str, dict]:
     root = Path(ckpt_dir)
     path = root / NAME
     if not path.is_file():
-        raise ManifestError(f"no {NAME} in {root}: nothing to check its bytes against; pass --no-manifest-check "
-                            f"to trust it as is, or run `python -m converters manifest {root}` on a good copy")
+        raise ManifestError(
+            f"no {NAME} in {root}: nothing to check its bytes against; pass --no-manifest-check "
+            f"to trust it as is, or run `python -m converters manifest {root}` on a good copy"
+        )
     try:
         files = json.loads(path.read_text()).get("files")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise ManifestError(f"{path} is not a valid manifest ({type(err).__name__}): restore it, or pass "
-                            "--no-manifest-check to trust the checkpoint as is") from None
+        raise ManifestError(
+            f"{path} is not a valid manifest ({type(err).__name__}): restore it, or pass "
+            "--no-manifest-check to trust the checkpoint as is"
+        ) from None
     if not isinstance(files, dict):
-        raise ManifestError(f"{path} has no file hashes (written by an older converter): re-create it with "
-                            f"`python -m converters manifest {root}` on a good copy, or pass --no-manifest-check")
+        raise ManifestError(
+            f"{path} has no file hashes (written by an older converter): re-create it with "
+            f"`python -m converters manifest {root}` on a good copy, or pass --no-manifest-check"
+        )
     return files
 
 
@@ -246,9 +266,16 @@ def _file_problems(path: Path, entry: dict) -> list[str]:
         return [f"{path}: {size} bytes, {NAME} says {entry.get('size')}"]
     with open(path, "rb") as f:
         if "chunks" in entry:
-            return [f"{path}: bytes {o}-{o + n} differ from {NAME}" for o, n, h in entry["chunks"]
-                    if _sha256_range(f, o, n) != h]
-        return [] if _sha256_range(f, 0, size) == entry.get("sha256") else [f"{path}: sha256 differs from {NAME}"]
+            return [
+                f"{path}: bytes {o}-{o + n} differ from {NAME}"
+                for o, n, h in entry["chunks"]
+                if _sha256_range(f, o, n) != h
+            ]
+        return (
+            []
+            if _sha256_range(f, 0, size) == entry.get("sha256")
+            else [f"{path}: sha256 differs from {NAME}"]
+        )
 
 
 def verify_manifest(ckpt_dir: str | Path) -> None:
@@ -257,8 +284,10 @@ def verify_manifest(ckpt_dir: str | Path) -> None:
     problems = manifest_problems(ckpt_dir)
     if problems:
         more = f" ({len(problems) - 1} more problems)" if len(problems) > 1 else ""
-        raise ManifestError(f"{problems[0]}{more}: the checkpoint was damaged or changed after it was "
-                            "written; restore it from a good copy")
+        raise ManifestError(
+            f"{problems[0]}{more}: the checkpoint was damaged or changed after it was "
+            "written; restore it from a good copy"
+        )
 
 
 class ChunkHashes:
@@ -267,18 +296,24 @@ class ChunkHashes:
     def __init__(self, root: Path, files: dict[str, dict]):
         self.root = root
         self.files = files
-        self.chunks = {(name, o): (n, h) for name, e in files.items() for o, n, h in e.get("chunks", [])}
+        self.chunks = {
+            (name, o): (n, h) for name, e in files.items() for o, n, h in e.get("chunks", [])
+        }
         self.checked: set[tuple[str, int]] = set()
 
     def check_file(self, name: str, data: bytes) -> None:
         """A small file read whole (`.metadata`, `metadata.json`)."""
         want = self.files.get(name)
         if want is None:
-            raise ManifestError(f"{self.root / name} is not in {self.root / NAME}: the manifest is not this "
-                                "checkpoint's; restore it, or pass --no-manifest-check")
+            raise ManifestError(
+                f"{self.root / name} is not in {self.root / NAME}: the manifest is not this "
+                "checkpoint's; restore it, or pass --no-manifest-check"
+            )
         if want.get("sha256") != hashlib.sha256(data).hexdigest():
-            raise ManifestError(f"{self.root / name} differs from {NAME}: the checkpoint was damaged or "
-                                "changed after it was written; restore it from a good copy")
+            raise ManifestError(
+                f"{self.root / name} differs from {NAME}: the checkpoint was damaged or "
+                "changed after it was written; restore it from a good copy"
+            )
 
     def check_chunk(self, name: str, offset: int, length: int, parts) -> None:
         """The item at [offset, offset + length) of data file `name`, from its bytes in order."""
@@ -288,8 +323,10 @@ class ChunkHashes:
             digest.update(part)
         if want is None or want != (length, digest.hexdigest()):
             why = "are not in" if want is None else "differ from"
-            raise ManifestError(f"{self.root / name} bytes {offset}-{offset + length} {why} {NAME}: the "
-                                "checkpoint was damaged or changed after it was written; restore it from a good copy")
+            raise ManifestError(
+                f"{self.root / name} bytes {offset}-{offset + length} {why} {NAME}: the "
+                "checkpoint was damaged or changed after it was written; restore it from a good copy"
+            )
         self.checked.add((name, offset))
 
     def check_unread(self) -> None:

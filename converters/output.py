@@ -29,7 +29,9 @@ import numpy as np
 STAGE = 32 << 20  # bytes per O_DIRECT write
 STAGES = 3  # one filling, up to two being written
 GIL_FREE_COPY = 1 << 16
-ALIGN = 4096  # O_DIRECT offset/length/address alignment (a page: enough for 512 B and 4 KiB sectors)
+ALIGN = (
+    4096  # O_DIRECT offset/length/address alignment (a page: enough for 512 B and 4 KiB sectors)
+)
 BUFFER = 1 << 20
 WRITEBACK_STEP = 64 << 20
 SYNC_FILE_RANGE_WRITE = 2
@@ -71,12 +73,17 @@ class DirectOutput(io.RawIOBase):
         n, done = len(src), 0
         while done < n:
             take = min(n - done, STAGE - self._fill)
-            _copy(self._stages[self._stage][self._fill:self._fill + take], src[done:done + take])
+            _copy(
+                self._stages[self._stage][self._fill : self._fill + take], src[done : done + take]
+            )
             self._fill += take
             done += take
             if self._fill == STAGE:
                 self._submit(self._stage, self._stage_offset, STAGE)
-                self._stage, self._fill = self._free.get(), 0  # waits while both others are in flight
+                self._stage, self._fill = (
+                    self._free.get(),
+                    0,
+                )  # waits while both others are in flight
                 self._stage_offset += STAGE
         self._size += n
         return n
@@ -84,7 +91,8 @@ class DirectOutput(io.RawIOBase):
     def _submit(self, stage: int, offset: int, length: int, recycle: bool = True) -> None:
         self._check()
         self._pending = [f for f in self._pending if not f.done()] + [
-            self._writer.submit(self._write_stage, stage, offset, length, recycle)]
+            self._writer.submit(self._write_stage, stage, offset, length, recycle)
+        ]
 
     def _write_stage(self, stage: int, offset: int, length: int, recycle: bool) -> None:
         view = memoryview(self._stages[stage])[:length]
@@ -106,7 +114,9 @@ class DirectOutput(io.RawIOBase):
         """Everything written is on disk. The stage being filled is written padded to the
         alignment and kept: later writes go on filling it and rewrite its tail."""
         if self._fill:
-            self._submit(self._stage, self._stage_offset, -(-self._fill // ALIGN) * ALIGN, recycle=False)
+            self._submit(
+                self._stage, self._stage_offset, -(-self._fill // ALIGN) * ALIGN, recycle=False
+            )
         for f in self._pending:
             f.result()
         self._pending = []
@@ -128,7 +138,7 @@ class DirectOutput(io.RawIOBase):
 def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -47,7 +47,10 @@ NAME_TABLE: tuple[Row, ...] = (
     Row(MC_LAYER + "mlp.router.weight", (HF_LAYER + "mlp.gate.weight",)),
     Row(
         MC_LAYER + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-        (HF_LAYER + "mlp.experts.{expert}.gate_proj.weight", HF_LAYER + "mlp.experts.{expert}.up_proj.weight"),
+        (
+            HF_LAYER + "mlp.experts.{expert}.gate_proj.weight",
+            HF_LAYER + "mlp.experts.{expert}.up_proj.weight",
+        ),
         "gate_up",
     ),
     Row(
@@ -84,6 +87,7 @@ class ExpertSlice:
 
 
 # ---- special cases ------------------------------------------------------------------
+
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Qwen3MoeSpec) -> torch.Tensor:
     """[q; k; v] -> mcore's layout: per query group, its q heads, then its k head, then v."""
@@ -122,7 +126,10 @@ def split_row(row: Row, tensor: torch.Tensor, spec: Qwen3MoeSpec) -> tuple[torch
 
 # ---- table expansion --------------------------------------------------------------
 
-def expand_table(spec: Qwen3MoeSpec, experts: ExpertSlice | None = None) -> Iterator[tuple[Row, str, tuple[str, ...]]]:
+
+def expand_table(
+    spec: Qwen3MoeSpec, experts: ExpertSlice | None = None
+) -> Iterator[tuple[Row, str, tuple[str, ...]]]:
     """Every (row, mcore name, hf names) for the model, with placeholders filled."""
     experts = experts or ExpertSlice(spec.num_experts)
     for row in NAME_TABLE:
@@ -139,7 +146,9 @@ def expand_table(spec: Qwen3MoeSpec, experts: ExpertSlice | None = None) -> Iter
 # ---- fused (transformers 5 in-memory) experts ---------------------------------------
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
 
 
 def unfuse_experts(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -186,6 +195,7 @@ def has_fused_experts(hf: Mapping[str, torch.Tensor]) -> bool:
 
 # ---- conversion -------------------------------------------------------------------
 
+
 def _missing(names: list[str], what: str, fix: str) -> MappingError:
     shown = ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
     return MappingError(f"{what}: {shown}; {fix}")
@@ -206,17 +216,26 @@ def hf_to_mcore(
         out[mcore] = combine_row(row, [hf[n] for n in hf_names], spec)
         used.update(hf_names)
     if missing:
-        raise _missing(missing, "HF checkpoint lacks weights", "is the checkpoint complete and for this config?")
+        raise _missing(
+            missing,
+            "HF checkpoint lacks weights",
+            "is the checkpoint complete and for this config?",
+        )
     full_slice = experts is None or experts.ep_size == 1
     extra = sorted(n for n in hf if n not in used and not HF_IGNORED.match(n))
     if extra and full_slice:
-        raise _missing(extra, "HF checkpoint has weights this Qwen3-MoE config does not use",
-                       "does config.json (layers, experts) match the weights?")
+        raise _missing(
+            extra,
+            "HF checkpoint has weights this Qwen3-MoE config does not use",
+            "does config.json (layers, experts) match the weights?",
+        )
     return out
 
 
 def mcore_to_hf(
-    mcore: Mapping[str, torch.Tensor], spec: Qwen3MoeSpec, fused_experts: bool = False,
+    mcore: Mapping[str, torch.Tensor],
+    spec: Qwen3MoeSpec,
+    fused_experts: bool = False,
     experts: ExpertSlice | None = None,
 ) -> dict[str, torch.Tensor]:
     """mcore local-spec state dict -> HF (hub layout, or transformers 5 fused with fused_experts)."""
@@ -228,12 +247,18 @@ def mcore_to_hf(
             continue
         out.update(zip(hf_names, split_row(row, mcore[name], spec), strict=True))
     if missing:
-        raise _missing(missing, "megatron-core state dict lacks tensors", "was it saved from this config?")
+        raise _missing(
+            missing, "megatron-core state dict lacks tensors", "was it saved from this config?"
+        )
     return fuse_experts(out) if fused_experts else out
 
 
-def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec: Qwen3MoeSpec,
-                       experts: ExpertSlice | None = None) -> None:
+def load_hf_into_model(
+    model: torch.nn.Module,
+    hf: Mapping[str, torch.Tensor],
+    spec: Qwen3MoeSpec,
+    experts: ExpertSlice | None = None,
+) -> None:
     """Copy HF weights into an mcore model in place; every parameter must be covered, shapes must agree."""
     from converters.sharding import expanded_parameters
 
@@ -241,7 +266,11 @@ def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], s
     params = {name: param for name, param, _ in expanded_parameters(model)}
     uncovered = sorted(set(params) - set(converted))
     if uncovered:
-        raise _missing(uncovered, "model parameters with no HF source", "is the model built from the same config?")
+        raise _missing(
+            uncovered,
+            "model parameters with no HF source",
+            "is the model built from the same config?",
+        )
     with torch.no_grad():
         for name, param in params.items():
             src = converted[name]
@@ -253,10 +282,11 @@ def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], s
             param.copy_(src)
 
 
-def model_to_hf(model: torch.nn.Module, spec: Qwen3MoeSpec, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+def model_to_hf(
+    model: torch.nn.Module, spec: Qwen3MoeSpec, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """HF state dict of an mcore model's parameters (world size 1)."""
     from converters.sharding import expanded_parameters
 
     params = {name: value for name, _, value in expanded_parameters(model)}
     return mcore_to_hf(params, spec, fused_experts)
-

@@ -18,8 +18,13 @@ class ReadAhead:
     fed by them would wait whenever the caller's write waits for the disk.
     """
 
-    def __init__(self, names: Iterable[str], load: Callable[[str], T], nbytes: Callable[[str], int],
-                 ahead_bytes: int = AHEAD_BYTES):
+    def __init__(
+        self,
+        names: Iterable[str],
+        load: Callable[[str], T],
+        nbytes: Callable[[str], int],
+        ahead_bytes: int = AHEAD_BYTES,
+    ):
         self._names, self._load, self._nbytes, self._limit = iter(names), load, nbytes, ahead_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="readahead")
         self._queue: deque = deque()  # (name, bytes, future), in order
@@ -37,7 +42,9 @@ class ReadAhead:
 
     def __call__(self, name: str) -> T:
         if not self._queue or self._queue[0][0] != name:
-            raise AssertionError(f"read-ahead expected {self._queue and self._queue[0][0]}, got {name}")
+            raise AssertionError(
+                f"read-ahead expected {self._queue and self._queue[0][0]}, got {name}"
+            )
         _, size, future = self._queue.popleft()
         self._ahead -= size
         value = future.result()

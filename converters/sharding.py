@@ -32,7 +32,9 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
 
 
-def expanded_parameters(model: torch.nn.Module, grads: bool = False) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def expanded_parameters(
+    model: torch.nn.Module, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, parameter, value) like named_parameters, with grouped experts split per expert.
 
     value is the parameter's data, or its gradient (zeros where none) with grads=True: under
@@ -64,7 +66,7 @@ def global_name(name: str, offsets: Mapping[int, int]) -> str:
     match = _LAYER.match(name)
     if not match:
         return name
-    return f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end():]
+    return f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end() :]
 
 
 def _tp_coords(name: str, groups: ProcessGroups) -> tuple[int, int]:
@@ -76,7 +78,9 @@ def _is_glu_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def shard(full: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+def shard(
+    full: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups
+) -> torch.Tensor:
     """This rank's part of a full tensor, for the parameter `param` named `name`."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
@@ -88,7 +92,9 @@ def shard(full: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGro
     return full.chunk(size, dim=dim)[rank]
 
 
-def unshard(local: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+def unshard(
+    local: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups
+) -> torch.Tensor:
     """Inverse of shard: all-gather a TP/ETP-split tensor into the full one (collective)."""
     if not getattr(param, "tensor_model_parallel", False):
         return local
@@ -105,8 +111,12 @@ def unshard(local: torch.Tensor, name: str, param: torch.Tensor, groups: Process
     return torch.cat(parts, dim=dim)
 
 
-def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec: Qwen3MoeSpec,
-                    groups: ProcessGroups) -> None:
+def load_hf_sharded(
+    model: torch.nn.Module,
+    hf: Mapping[str, torch.Tensor],
+    spec: Qwen3MoeSpec,
+    groups: ProcessGroups,
+) -> None:
     """Copy HF weights into this rank's (TP/EP/PP-sharded) mcore model in place."""
     full = hf_to_mcore(hf, spec, expert_slice(spec, groups))
     offsets = layer_offsets(model)
@@ -114,7 +124,9 @@ def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec
         for name, param, _ in expanded_parameters(model):
             key = global_name(name, offsets)
             if key not in full:
-                raise MappingError(f"model parameter {name} has no HF source: is the model built from the same config?")
+                raise MappingError(
+                    f"model parameter {name} has no HF source: is the model built from the same config?"
+                )
             local = shard(full[key], name, param, groups)
             if local.shape != param.shape:
                 raise MappingError(
@@ -124,8 +136,9 @@ def load_hf_sharded(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], spec
             param.copy_(local)
 
 
-def iter_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
-              grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full(
+    model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(world-size-1 mcore name, full tensor) of this PP stage, one tensor at a time.
 
     Params (or their .grad) gathered over TP/ETP, and over EP for experts (one tensor per
@@ -145,8 +158,9 @@ def iter_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
             yield global_expert_name(key, ExpertSlice(spec.num_experts, ep, ep_rank)), part
 
 
-def gather_full(model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec,
-                grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_full(
+    model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec, grads: bool = False
+) -> dict[str, torch.Tensor]:
     """World-size-1 mcore names -> full tensors (params, or their .grad), on every rank.
 
     Collective over TP/ETP, EP and PP: every rank must call it.

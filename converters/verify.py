@@ -65,7 +65,10 @@ class DistSide:
         name = self.owner[hf_name]
         if self._cached[0] != name:
             row, hf = self.rows[name]
-            self._cached = (name, dict(zip(hf, split_row(row, self.param(name), self.spec), strict=True)))
+            self._cached = (
+                name,
+                dict(zip(hf, split_row(row, self.param(name), self.spec), strict=True)),
+            )
         return self._cached[1][hf_name]
 
 
@@ -92,13 +95,14 @@ def diff(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None) -> str
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b, worst = a.reshape(-1), b.reshape(-1), 0.0
     for i in range(0, a.numel(), CHUNK):  # chunks: no fp64 copy of a whole embedding
-        d = (a[i:i + CHUNK].double() - b[i:i + CHUNK].double()).abs()
+        d = (a[i : i + CHUNK].double() - b[i : i + CHUNK].double()).abs()
         worst = max(worst, float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0)
     return worst
 
 
-def compare(a_path, b_path, *, atol: float | None = None, config=None,
-            report: Callable[[str], None] = print) -> tuple[int, int]:
+def compare(
+    a_path, b_path, *, atol: float | None = None, config=None, report: Callable[[str], None] = print
+) -> tuple[int, int]:
     """(tensors compared, mismatches); each mismatch is reported as one line."""
     config = config or _hf_config(a_path, b_path)
     a, b = open_side(a_path, config), open_side(b_path, config)
@@ -153,7 +157,9 @@ def check_manifest(path, *, config=None, report: Callable[[str], None] = print) 
     return checked, bad
 
 
-def _check_tensors(path: Path, entries: dict, config, report: Callable[[str], None]) -> tuple[int, int]:
+def _check_tensors(
+    path: Path, entries: dict, config, report: Callable[[str], None]
+) -> tuple[int, int]:
     side = open_side(path, config)
     present = set(side.layout.shapes) if isinstance(side, DistSide) else set(side.names())
     checked = bad = 0
@@ -163,7 +169,11 @@ def _check_tensors(path: Path, entries: dict, config, report: Callable[[str], No
             bad += 1
             continue
         tensor = side.param(name) if isinstance(side, DistSide) else side.get(name)
-        have = {"sha256": sha256(tensor), "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
+        have = {
+            "sha256": sha256(tensor),
+            "shape": list(tensor.shape),
+            "dtype": dtype_name(tensor.dtype),
+        }
         checked += 1
         for field in ("shape", "dtype", "sha256"):
             if have[field] != want[field]:
@@ -185,7 +195,9 @@ def write_trusted_manifest(path, *, force: bool = False) -> Path:
     dist = is_dist_dir(path)
     root = find_dist_dir(path) if dist else path
     if (root / NAME).exists() and not force:
-        raise ConversionError(f"{root / NAME} exists: pass --force to replace it, or verify against it")
+        raise ConversionError(
+            f"{root / NAME} exists: pass --force to replace it, or verify against it"
+        )
     if dist:
         check_dist_checkpoint(root)
     return write_manifest(root, "mcore-torch_dist" if dist else "hf-safetensors")

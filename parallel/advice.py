@@ -19,8 +19,10 @@ def cross_node_warnings(layout: RankLayout) -> list[str]:
     for name, cost in _CROSS_NODE_COST.items():
         nodes = layout.nodes_spanned(name)
         if nodes > 1:
-            out.append(f"{name} groups span {nodes} nodes: {cost} crosses the inter-node link; "
-                       f"keep each {name} group within one node's {per_node} devices")
+            out.append(
+                f"{name} groups span {nodes} nodes: {cost} crosses the inter-node link; "
+                f"keep each {name} group within one node's {per_node} devices"
+            )
     return out
 
 
@@ -48,23 +50,31 @@ def expert_warnings(fit: ModelFit, micro_batch_tokens: int) -> list[str]:
     _, rows = _expert_rows(fit, micro_batch_tokens)
     if rows >= 128:
         return []
-    return [f"only ~{rows:.0f} tokens per expert GEMM: expert matmuls are small and "
-            "routing imbalance is large; raise --micro-batch-tokens or ep"]
+    return [
+        f"only ~{rows:.0f} tokens per expert GEMM: expert matmuls are small and "
+        "routing imbalance is large; raise --micro-batch-tokens or ep"
+    ]
 
 
 def memory_warnings(estimate: MemoryEstimate) -> list[str]:
     use = estimate.utilization
     if use is None or use <= HEADROOM:
         return []
-    return [f"update peak {use:.0%} of {estimate.device_memory_gib:g} GiB is above "
-            f"{HEADROOM:.0%}: enable --recompute, lower --micro-batch-tokens or raise tp/ep/pp"]
+    return [
+        f"update peak {use:.0%} of {estimate.device_memory_gib:g} GiB is above "
+        f"{HEADROOM:.0%}: enable --recompute, lower --micro-batch-tokens or raise tp/ep/pp"
+    ]
 
 
-def plan_warnings(fit: ModelFit, layout: RankLayout, estimate: MemoryEstimate,
-                  micro_batch_tokens: int) -> list[str]:
+def plan_warnings(
+    fit: ModelFit, layout: RankLayout, estimate: MemoryEstimate, micro_batch_tokens: int
+) -> list[str]:
     """Cross-node groups, small expert GEMMs and memory pressure, one line each."""
-    return (cross_node_warnings(layout) + expert_warnings(fit, micro_batch_tokens)
-            + memory_warnings(estimate))
+    return (
+        cross_node_warnings(layout)
+        + expert_warnings(fit, micro_batch_tokens)
+        + memory_warnings(estimate)
+    )
 
 
 def listed(title: str, lines: list[str]) -> list[str]:

@@ -29,16 +29,25 @@ class Candidate:
 
     def rank_key(self) -> tuple:
         plan = self.fit.plan
-        return (not self.memory.fits, self.cross_node, plan.pp, plan.tp * plan.cp,
-                self.memory.update_bytes)
+        return (
+            not self.memory.fits,
+            self.cross_node,
+            plan.pp,
+            plan.tp * plan.cp,
+            self.memory.update_bytes,
+        )
 
 
 def _choices(fixed: int | None, options: list[int]) -> list[int]:
     return [fixed] if fixed is not None else options
 
 
-def candidate_plans(spec: Qwen3MoeSpec, nodes: int, devices_per_node: int,
-                    fixed: dict[str, int | None] | None = None) -> list[ParallelPlan]:
+def candidate_plans(
+    spec: Qwen3MoeSpec,
+    nodes: int,
+    devices_per_node: int,
+    fixed: dict[str, int | None] | None = None,
+) -> list[ParallelPlan]:
     """Legal plans (etp=1, no vpp unless fixed) for the cluster; `fixed` pins dimensions."""
     fixed = fixed or {}
     world = nodes * devices_per_node
@@ -52,8 +61,16 @@ def candidate_plans(spec: Qwen3MoeSpec, nodes: int, devices_per_node: int,
     plans = []
     for tp, pp, cp, ep, etp in product(*(_choices(fixed.get(k), v) for k, v in sizes.items())):
         try:
-            plan = ParallelPlan(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=fixed.get("vpp"),
-                                nodes=nodes, devices_per_node=devices_per_node)
+            plan = ParallelPlan(
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                ep=ep,
+                etp=etp,
+                vpp=fixed.get("vpp"),
+                nodes=nodes,
+                devices_per_node=devices_per_node,
+            )
             check_against_model(plan, spec)
         except PlanError:
             continue
@@ -61,14 +78,21 @@ def candidate_plans(spec: Qwen3MoeSpec, nodes: int, devices_per_node: int,
     return plans
 
 
-def rank_plans(spec: Qwen3MoeSpec, nodes: int, devices_per_node: int, options: MemoryOptions,
-               fixed: dict[str, int | None] | None = None) -> list[Candidate]:
+def rank_plans(
+    spec: Qwen3MoeSpec,
+    nodes: int,
+    devices_per_node: int,
+    options: MemoryOptions,
+    fixed: dict[str, int | None] | None = None,
+) -> list[Candidate]:
     """Every legal plan, best first."""
     candidates = []
     for plan in candidate_plans(spec, nodes, devices_per_node, fixed):
         fit = check_against_model(plan, spec)
         candidates.append(Candidate(fit, RankLayout(plan), estimate_memory(fit, options)))
     if not candidates:
-        raise PlanError(f"no legal plan for {nodes}x{devices_per_node} devices with the "
-                        "pinned dimensions: unpin some of --tp/--pp/--cp/--ep/--etp/--vpp")
+        raise PlanError(
+            f"no legal plan for {nodes}x{devices_per_node} devices with the "
+            "pinned dimensions: unpin some of --tp/--pp/--cp/--ep/--etp/--vpp"
+        )
     return sorted(candidates, key=Candidate.rank_key)

@@ -17,8 +17,15 @@ from parallel.plan import ParallelPlan, PlanError
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 GROUP_NAMES = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 # which view a group lives in, and its token in the order string
-_VIEW_OF = {"tp": "attention", "cp": "attention", "dp": "attention", "pp": "attention",
-            "ep": "expert", "etp": "expert", "edp": "expert"}
+_VIEW_OF = {
+    "tp": "attention",
+    "cp": "attention",
+    "dp": "attention",
+    "pp": "attention",
+    "ep": "expert",
+    "etp": "expert",
+    "edp": "expert",
+}
 _TOKEN_OF = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "ep": "ep", "etp": "tp", "edp": "dp"}
 
 
@@ -69,13 +76,16 @@ class RankLayout:
     def __post_init__(self) -> None:
         tokens = self.order.split("-")
         if sorted(tokens) != sorted(("tp", "cp", "ep", "dp", "pp")):
-            raise PlanError(f"order={self.order!r} must name tp, cp, ep, dp, pp once each, "
-                            f"e.g. {DEFAULT_ORDER}")
+            raise PlanError(
+                f"order={self.order!r} must name tp, cp, ep, dp, pp once each, e.g. {DEFAULT_ORDER}"
+            )
         pp_attention = self.groups("pp")
         pp_expert = {self._views["expert"].group(r, "pp") for r in range(self.plan.world)}
         if set(pp_attention) != pp_expert:
-            raise PlanError(f"order={self.order!r} gives attention and expert layers different "
-                            f"pp groups: put pp last ({DEFAULT_ORDER}) or make edp equal dp")
+            raise PlanError(
+                f"order={self.order!r} gives attention and expert layers different "
+                f"pp groups: put pp last ({DEFAULT_ORDER}) or make edp equal dp"
+            )
 
     @cached_property
     def _views(self) -> dict[str, _View]:
@@ -83,8 +93,10 @@ class RankLayout:
         attention = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
         expert = {"tp": plan.etp, "ep": plan.ep, "dp": plan.edp, "pp": plan.pp}
         return {
-            view: _View(tuple(t for t in tokens if t in sizes), tuple(sizes[t] for t in tokens
-                                                                     if t in sizes))
+            view: _View(
+                tuple(t for t in tokens if t in sizes),
+                tuple(sizes[t] for t in tokens if t in sizes),
+            )
             for view, sizes in (("attention", attention), ("expert", expert))
         }
 
@@ -93,8 +105,9 @@ class RankLayout:
 
     def coords(self, rank: int) -> RankCoords:
         self._check_rank(rank)
-        values = {name: self._views[_VIEW_OF[name]].coord(rank, _TOKEN_OF[name])
-                  for name in GROUP_NAMES}
+        values = {
+            name: self._views[_VIEW_OF[name]].coord(rank, _TOKEN_OF[name]) for name in GROUP_NAMES
+        }
         return RankCoords(rank=rank, node=self.node_of(rank), **values)
 
     def group(self, rank: int, name: str) -> tuple[int, ...]:

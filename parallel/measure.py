@@ -40,8 +40,11 @@ def saved_bytes_inside(model: torch.nn.Module, modules: list[torch.nn.Module]):
     def leave(*_):
         counter.depth -= 1
 
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
-                                             m.register_forward_hook(leave))]
+    handles = [
+        h
+        for m in modules
+        for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
+    ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             yield counter
@@ -61,7 +64,9 @@ class ActivationCheck:
         return (self.estimated_bytes - self.measured_bytes) / self.measured_bytes
 
 
-def check_tiny_activations(groups, tokens: int, seed: int = 0, ours: bool = False) -> ActivationCheck:
+def check_tiny_activations(
+    groups, tokens: int, seed: int = 0, ours: bool = False
+) -> ActivationCheck:
     """Tiny model on one CPU rank (fp32, local spec): measured vs estimated decoder bytes.
 
     ours: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
@@ -76,11 +81,22 @@ def check_tiny_activations(groups, tokens: int, seed: int = 0, ours: bool = Fals
 
     spec = load_qwen3_moe_spec(tiny_config())
     torch.manual_seed(seed)
-    modules = dict(experts="grouped", attention="sdpa") if ours else dict(experts="sequential", attention="local")
-    model = build_model(spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local", **modules))
+    modules = (
+        dict(experts="grouped", attention="sdpa")
+        if ours
+        else dict(experts="sequential", attention="local")
+    )
+    model = build_model(
+        spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local", **modules)
+    )
     input_ids = torch.randint(0, spec.vocab_size, (1, tokens))
     with saved_bytes_inside(model, list(model.decoder.layers)) as counter:
         forward_logits(model, input_ids)
-    per_layer = layer_activation_bytes(spec, ParallelPlan(devices_per_node=1), tokens, b=4,
-                                       kernels=OURS_ON_CPU_KERNELS if ours else LOCAL_SPEC_KERNELS)
+    per_layer = layer_activation_bytes(
+        spec,
+        ParallelPlan(devices_per_node=1),
+        tokens,
+        b=4,
+        kernels=OURS_ON_CPU_KERNELS if ours else LOCAL_SPEC_KERNELS,
+    )
     return ActivationCheck(tokens, counter.total, spec.num_layers * per_layer)

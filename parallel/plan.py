@@ -52,8 +52,10 @@ class ParallelPlan:
         self._check_folding("tp*cp*pp", self.tp * self.cp * self.pp, "tp*cp*dp*pp")
         self._check_folding("etp*ep*pp", self.etp * self.ep * self.pp, "etp*ep*edp*pp")
         if self.vpp is not None and self.pp == 1:
-            raise PlanError(f"vpp={self.vpp} needs pp > 1: interleaving splits pipeline stages; "
-                            "drop --vpp or raise --pp")
+            raise PlanError(
+                f"vpp={self.vpp} needs pp > 1: interleaving splits pipeline stages; "
+                "drop --vpp or raise --pp"
+            )
         if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise PlanError("first/last stage layer counts need pp > 1: drop them or raise --pp")
 
@@ -81,9 +83,11 @@ class ParallelPlan:
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
-        return (f"tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.etp} "
-                f"dp={self.dp} edp={self.edp} on {self.nodes}x{self.devices_per_node}="
-                f"{self.world} devices")
+        return (
+            f"tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.etp} "
+            f"dp={self.dp} edp={self.edp} on {self.nodes}x{self.devices_per_node}="
+            f"{self.world} devices"
+        )
 
 
 @dataclass(frozen=True)
@@ -100,21 +104,29 @@ class ModelFit:
 
 def _check_heads(plan: ParallelPlan, spec: Qwen3MoeSpec) -> None:
     legal = [d for d in divisors(spec.num_kv_heads) if spec.num_heads % d == 0]
-    for field, count in (("num_key_value_heads", spec.num_kv_heads),
-                         ("num_attention_heads", spec.num_heads)):
+    for field, count in (
+        ("num_key_value_heads", spec.num_kv_heads),
+        ("num_attention_heads", spec.num_heads),
+    ):
         if count % plan.tp:
-            raise PlanError(f"tp={plan.tp} does not divide {field}={count}: "
-                            f"legal tp for this model: {_listed(legal)}")
+            raise PlanError(
+                f"tp={plan.tp} does not divide {field}={count}: "
+                f"legal tp for this model: {_listed(legal)}"
+            )
 
 
 def _check_experts(plan: ParallelPlan, spec: Qwen3MoeSpec) -> None:
     if spec.num_experts % plan.ep:
-        raise PlanError(f"ep={plan.ep} does not divide num_experts={spec.num_experts}: "
-                        f"legal ep for this model: {_listed(divisors(spec.num_experts))}")
+        raise PlanError(
+            f"ep={plan.ep} does not divide num_experts={spec.num_experts}: "
+            f"legal ep for this model: {_listed(divisors(spec.num_experts))}"
+        )
     if spec.moe_ffn_hidden_size % plan.etp:
         legal = divisors(spec.moe_ffn_hidden_size, limit=plan.world)
-        raise PlanError(f"etp={plan.etp} does not divide moe_intermediate_size="
-                        f"{spec.moe_ffn_hidden_size}: legal etp for this model: {_listed(legal)}")
+        raise PlanError(
+            f"etp={plan.etp} does not divide moe_intermediate_size="
+            f"{spec.moe_ffn_hidden_size}: legal etp for this model: {_listed(legal)}"
+        )
 
 
 def _even_stage_layers(plan: ParallelPlan, num_layers: int) -> tuple[int, ...]:
@@ -122,15 +134,19 @@ def _even_stage_layers(plan: ParallelPlan, num_layers: int) -> tuple[int, ...]:
     if num_layers % chunks:
         label = "pp*vpp" if plan.vpp else "pp"
         legal = _listed(divisors(num_layers))
-        raise PlanError(f"{label}={chunks} does not divide num_hidden_layers={num_layers}: "
-                        f"legal {label} for this model: {legal} (or set first/last stage layers)")
+        raise PlanError(
+            f"{label}={chunks} does not divide num_hidden_layers={num_layers}: "
+            f"legal {label} for this model: {legal} (or set first/last stage layers)"
+        )
     return (num_layers // plan.pp,) * plan.pp
 
 
 def _uneven_stage_layers(plan: ParallelPlan, num_layers: int) -> tuple[int, ...]:
     if plan.vpp:
-        raise PlanError("uneven first/last stages with vpp are not planned here: "
-                        "drop --vpp or the stage layer counts")
+        raise PlanError(
+            "uneven first/last stages with vpp are not planned here: "
+            "drop --vpp or the stage layer counts"
+        )
     first, last = plan.first_stage_layers, plan.last_stage_layers
     free_stages = plan.pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
@@ -154,7 +170,9 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def plan_for_model(spec: Qwen3MoeSpec, nodes: int = 1, devices_per_node: int = 8, **dims) -> ModelFit:
+def plan_for_model(
+    spec: Qwen3MoeSpec, nodes: int = 1, devices_per_node: int = 8, **dims
+) -> ModelFit:
     """check_against_model of the plan `dims` on nodes x devices_per_node, where a dimension
     the model itself cannot take is refused for that reason (ep=3: 128 experts; pp=5: 48
     layers) before the world-size folding is checked."""
@@ -166,7 +184,9 @@ def plan_for_model(spec: Qwen3MoeSpec, nodes: int = 1, devices_per_node: int = 8
         probe = None  # not positive integers: the real plan below says so
     if probe is not None:
         check_against_model(probe, spec)
-    return check_against_model(ParallelPlan(nodes=nodes, devices_per_node=devices_per_node, **dims), spec)
+    return check_against_model(
+        ParallelPlan(nodes=nodes, devices_per_node=devices_per_node, **dims), spec
+    )
 
 
 def check_against_model(plan: ParallelPlan, spec: Qwen3MoeSpec) -> ModelFit:

@@ -17,7 +17,9 @@ def tiny_hf_model(tiny_hf_dir):
     """transformers' reference model loaded from tiny_hf_dir, fp32, eager attention."""
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = Qwen3MoeForCausalLM.from_pretrained(
+        tiny_hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

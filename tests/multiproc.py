@@ -16,8 +16,14 @@ def _free_port() -> int:
 
 
 def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     try:
         # plain bytes: tensors shared by file descriptor die with the child process
         buffer = io.BytesIO()
@@ -36,7 +42,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []

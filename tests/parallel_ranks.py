@@ -18,7 +18,9 @@ def _sync_grads(model, groups) -> None:
         dense_or_expert = "edp" if ".mlp.experts." in name else "dp"
         dist.all_reduce(param.grad, group=getattr(groups, dense_or_expert))
         if groups.size("tp") > 1 and (
-            getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+            getattr(param, "sequence_parallel", False)
+            or "q_layernorm" in name
+            or "k_layernorm" in name
         ):
             dist.all_reduce(param.grad, group=groups.tp)
 
@@ -143,7 +145,10 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     actor = McoreActor(model, groups, OptimConfig(lr=1e-2, grad_clip=max_norm))
     ids = global_batch(spec.vocab_size).chunk(groups.size("dp"))[groups.rank("dp")]
     metrics = actor.train_step([{"input_ids": ids}], nll_token_mean)
-    return {"grad_norm": metrics["actor/grad_norm"], "grads": gather_full(model, groups, spec, grads=True)}
+    return {
+        "grad_norm": metrics["actor/grad_norm"],
+        "grads": gather_full(model, groups, spec, grads=True),
+    }
 
 
 def nll_token_mean(log_probs, micro_batch):

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _bench():
     sys.path.insert(0, str(ROOT / "scripts/bench"))
-    spec = importlib.util.spec_from_file_location("convert_full_size", ROOT / "scripts/bench/convert_full_size.py")
+    spec = importlib.util.spec_from_file_location(
+        "convert_full_size", ROOT / "scripts/bench/convert_full_size.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -54,7 +54,9 @@ def test_hf_mcore_hf_is_bit_exact_in_hub_layout(tiny_hf_dir, sharded_hf_dir):
 def test_transformers_loads_the_export_with_the_same_logits(sharded_hf_dir, tiny_hf_model):
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(sharded_hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = Qwen3MoeForCausalLM.from_pretrained(
+        sharded_hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model.eval()(ids).logits, tiny_hf_model(ids).logits)
@@ -80,7 +82,9 @@ def test_bf16_round_trip_and_multi_shard_source(tmp_path, sharded_hf_dir, mcore_
     back = convert_mcore_to_hf(mcore, tmp_path / "h", template=sharded_hf_dir)
     expected = {k: v.to(torch.bfloat16) for k, v in read_state_dict(sharded_hf_dir).items()}
     _exact(read_state_dict(back), expected)
-    cast = convert_mcore_to_hf(mcore_dir, tmp_path / "cast", template=sharded_hf_dir, dtype="bf16")  # fp32 chunks
+    cast = convert_mcore_to_hf(
+        mcore_dir, tmp_path / "cast", template=sharded_hf_dir, dtype="bf16"
+    )  # fp32 chunks
     _exact(read_state_dict(cast), expected)
     assert main(["verify", str(sharded_hf_dir), str(back)]) == 1  # fp32 vs bf16, bit-exact
     assert main(["verify", str(sharded_hf_dir), str(back), "--atol", "1e-2"]) == 0
@@ -93,7 +97,9 @@ def test_verify_hf_vs_dist_and_manifests(tiny_hf_dir, mcore_dir, sharded_hf_dir,
     assert main(["verify", str(sharded_hf_dir)]) == 0
     manifest = json.loads((mcore_dir / "manifest.json").read_text())
     entry = manifest["tensors"]["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert entry["shape"] == [192, 64] and entry["dtype"] == "float32" and len(entry["sha256"]) == 64
+    assert (
+        entry["shape"] == [192, 64] and entry["dtype"] == "float32" and len(entry["sha256"]) == 64
+    )
     assert "verify: 69 tensors compared, 0 mismatches" in capsys.readouterr().out
 
 
@@ -142,6 +148,7 @@ def test_verl_loads_the_checkpoint_and_its_layout_exports(world1, tiny_hf_dir, m
 
 # ---- atomic outputs ----------------------------------------------------------------
 
+
 def _leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
@@ -159,7 +166,9 @@ def test_interrupted_runs_leave_no_output(tiny_hf_dir, mcore_dir, tmp_path, monk
     monkeypatch.setattr(HFSource, "read_into", failing_read)
     with pytest.raises(RuntimeError, match="disk unplugged"):
         convert_hf_to_mcore(tiny_hf_dir, tmp_path / "m")
-    monkeypatch.setattr(ShardedWriter, "close", lambda self: (_ for _ in ()).throw(RuntimeError("killed")))
+    monkeypatch.setattr(
+        ShardedWriter, "close", lambda self: (_ for _ in ()).throw(RuntimeError("killed"))
+    )
     with pytest.raises(RuntimeError, match="killed"):
         convert_mcore_to_hf(mcore_dir, tmp_path / "h", template=tiny_hf_dir)
     assert list(tmp_path.iterdir()) == []
@@ -169,7 +178,9 @@ def test_force_replaces_only_on_success(tiny_hf_dir, mcore_dir, tmp_path, monkey
     out = tmp_path / "h"
     out.mkdir()
     (out / "old.txt").write_text("previous export")
-    monkeypatch.setattr(ShardedWriter, "close", lambda self: (_ for _ in ()).throw(RuntimeError("killed")))
+    monkeypatch.setattr(
+        ShardedWriter, "close", lambda self: (_ for _ in ()).throw(RuntimeError("killed"))
+    )
     with pytest.raises(RuntimeError):
         convert_mcore_to_hf(mcore_dir, out, template=tiny_hf_dir, force=True)
     assert (out / "old.txt").is_file() and not _leftovers(tmp_path)
@@ -180,6 +191,7 @@ def test_force_replaces_only_on_success(tiny_hf_dir, mcore_dir, tmp_path, monkey
 
 
 # ---- bad input: one line, exit 2 ---------------------------------------------------------
+
 
 def _one_line_error(capsys, argv: list[str], *needles: str) -> str:
     assert main(argv) == 2
@@ -198,13 +210,21 @@ def _broken_copy(src: Path, dst: Path) -> Path:
 def test_missing_and_truncated_shards(sharded_hf_dir, tmp_path, capsys):
     broken = _broken_copy(sharded_hf_dir, tmp_path / "missing")
     (broken / "model-00002-of-00007.safetensors").unlink()
-    _one_line_error(capsys, ["hf-to-mcore", str(broken), str(tmp_path / "o")],
-                    "names missing shard(s) model-00002-of-00007.safetensors", "re-download")
+    _one_line_error(
+        capsys,
+        ["hf-to-mcore", str(broken), str(tmp_path / "o")],
+        "names missing shard(s) model-00002-of-00007.safetensors",
+        "re-download",
+    )
     cut = _broken_copy(sharded_hf_dir, tmp_path / "cut")
     shard = cut / "model-00003-of-00007.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    _one_line_error(capsys, ["hf-to-mcore", str(cut), str(tmp_path / "o")],
-                    "model-00003-of-00007.safetensors is unreadable or truncated", "re-download")
+    _one_line_error(
+        capsys,
+        ["hf-to-mcore", str(cut), str(tmp_path / "o")],
+        "model-00003-of-00007.safetensors is unreadable or truncated",
+        "re-download",
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -219,39 +239,68 @@ def test_weights_that_do_not_fit_the_config(tiny_hf_dir, tmp_path, capsys):
         shard.unlink()
     (other / INDEX).unlink(missing_ok=True)
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
-    _one_line_error(capsys, ["hf-to-mcore", str(other), str(tmp_path / "o")],
-                    f"{name} has shape", "decoder.layers.1.self_attention.linear_qkv.weight",
-                    "config.json and the weights disagree")
+    _one_line_error(
+        capsys,
+        ["hf-to-mcore", str(other), str(tmp_path / "o")],
+        f"{name} has shape",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "config.json and the weights disagree",
+    )
 
 
 def test_wrong_model_type_and_target_config(tiny_hf_dir, tmp_path, capsys):
     other = _broken_copy(tiny_hf_dir, tmp_path / "llama")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    _one_line_error(capsys, ["hf-to-mcore", str(other), str(tmp_path / "o")], "model_type is 'llama'")
-    for key, field, value in (("num_local_experts", "num_experts", 16), ("hidden_size", "hidden_size", 128)):
+    _one_line_error(
+        capsys, ["hf-to-mcore", str(other), str(tmp_path / "o")], "model_type is 'llama'"
+    )
+    for key, field, value in (
+        ("num_local_experts", "num_experts", 16),
+        ("hidden_size", "hidden_size", 128),
+    ):
         target = tmp_path / f"{field}.json"
         target.write_text(json.dumps({**config, key: value}))
-        _one_line_error(capsys, ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--target-config", str(target)],
-                        f"{field}: checkpoint has {config[key]}, --target-config", f"has {value}; ")
+        _one_line_error(
+            capsys,
+            ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--target-config", str(target)],
+            f"{field}: checkpoint has {config[key]}, --target-config",
+            f"has {value}; ",
+        )
 
 
 def test_plan_the_model_cannot_take(tiny_hf_dir, tmp_path, capsys):
-    _one_line_error(capsys, ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--tp", "3"],
-                    "tp=3 does not divide num_key_value_heads=2", "legal tp")
-    _one_line_error(capsys, ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--ep", "3"],
-                    "ep=3 does not divide num_experts=8")
+    _one_line_error(
+        capsys,
+        ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--tp", "3"],
+        "tp=3 does not divide num_key_value_heads=2",
+        "legal tp",
+    )
+    _one_line_error(
+        capsys,
+        ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o"), "--ep", "3"],
+        "ep=3 does not divide num_experts=8",
+    )
 
 
 def test_output_exists_and_disk_full(tiny_hf_dir, mcore_dir, tmp_path, capsys, monkeypatch):
     _one_line_error(capsys, ["hf-to-mcore", str(tiny_hf_dir), str(mcore_dir)], "exists", "--force")
-    _one_line_error(capsys, ["mcore-to-hf", str(mcore_dir), str(tiny_hf_dir), "--template", str(tiny_hf_dir)],
-                    "exists", "--force")
+    _one_line_error(
+        capsys,
+        ["mcore-to-hf", str(mcore_dir), str(tiny_hf_dir), "--template", str(tiny_hf_dir)],
+        "exists",
+        "--force",
+    )
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
-    _one_line_error(capsys, ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o")], "not enough disk space")
-    _one_line_error(capsys, ["mcore-to-hf", str(mcore_dir), str(tmp_path / "o"), "--template", str(tiny_hf_dir)],
-                    "not enough disk space")
+    _one_line_error(
+        capsys, ["hf-to-mcore", str(tiny_hf_dir), str(tmp_path / "o")], "not enough disk space"
+    )
+    _one_line_error(
+        capsys,
+        ["mcore-to-hf", str(mcore_dir), str(tmp_path / "o"), "--template", str(tiny_hf_dir)],
+        "not enough disk space",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -259,14 +308,32 @@ def test_template_that_does_not_match_the_checkpoint(tiny_hf_dir, mcore_dir, tmp
     other = _broken_copy(tiny_hf_dir, tmp_path / "t")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_local_experts": 16}))
-    _one_line_error(capsys, ["mcore-to-hf", str(mcore_dir), str(tmp_path / "o"), "--template", str(other)],
-                    "router.weight: checkpoint has global shape (2, 8, 64)", "implies (2, 16, 64)",
-                    "pass the config the checkpoint was trained with")
+    _one_line_error(
+        capsys,
+        ["mcore-to-hf", str(mcore_dir), str(tmp_path / "o"), "--template", str(other)],
+        "router.weight: checkpoint has global shape (2, 8, 64)",
+        "implies (2, 16, 64)",
+        "pass the config the checkpoint was trained with",
+    )
 
 
 def test_cli_process_prints_one_line_without_traceback(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "converters", "hf-to-mcore", str(tmp_path / "nope"), str(tmp_path / "o")],
-                         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "converters",
+            "hf-to-mcore",
+            str(tmp_path / "nope"),
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines() == [f"error: no config.json at {tmp_path / 'nope'}: "
-                                               "pass an HF checkpoint directory or its config.json"]
+    assert run.stderr.strip().splitlines() == [
+        f"error: no config.json at {tmp_path / 'nope'}: "
+        "pass an HF checkpoint directory or its config.json"
+    ]

@@ -28,8 +28,14 @@ def small_stages(monkeypatch):
 def _pieces() -> list:
     rng = np.random.default_rng(0)
     big = rng.integers(0, 256, 300_000, dtype=np.uint8)
-    return [b"header", big.tobytes(), memoryview(big)[7:70_001], b"x" * 4095,
-            torch.arange(50_000, dtype=torch.bfloat16).view(torch.uint8).numpy(), b""]
+    return [
+        b"header",
+        big.tobytes(),
+        memoryview(big)[7:70_001],
+        b"x" * 4095,
+        torch.arange(50_000, dtype=torch.bfloat16).view(torch.uint8).numpy(),
+        b"",
+    ]
 
 
 @pytest.mark.parametrize("kind", ["direct", "buffered"])

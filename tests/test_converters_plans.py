@@ -3,7 +3,6 @@ it into the sharded model (logits match transformers), saves it back at that pla
 mcore-to-hf turns each of those back into the original HF tensors bit for bit. With our
 GroupedExperts + SDPAttention too: the checkpoints interchange with SequentialMLP's."""
 
-
 import pytest
 import torch
 
@@ -20,7 +19,9 @@ PLANS = {"tp2": (2, 1, 1, 2), "ep2": (1, 2, 1, 1), "pp2": (1, 1, 2, 1), "tp2xep2
 WORLD = 4
 
 
-def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.Tensor, fast: bool) -> dict:
+def load_run_save(
+    rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.Tensor, fast: bool
+) -> dict:
     """At every plan: load the converted checkpoint, run the batch, save back at that plan."""
     from pathlib import Path
 
@@ -56,7 +57,9 @@ def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.T
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["mcore-local", "grouped-sdpa"])
-def test_plans_load_the_checkpoint_and_save_back_bit_exact(tiny_hf_dir, tiny_hf_model, tmp_path, fast):
+def test_plans_load_the_checkpoint_and_save_back_bit_exact(
+    tiny_hf_dir, tiny_hf_model, tmp_path, fast
+):
     ckpt = convert_hf_to_mcore(tiny_hf_dir, tmp_path / "mcore")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     results = run_ranks(load_run_save, WORLD, str(tiny_hf_dir), str(ckpt), str(tmp_path), ids, fast)
@@ -66,7 +69,9 @@ def test_plans_load_the_checkpoint_and_save_back_bit_exact(tiny_hf_dir, tiny_hf_
     for name, (_, _, pp, _) in PLANS.items():
         if pp == 1:
             for rank_logits in results:
-                torch.testing.assert_close(rank_logits[name], reference, rtol=0, atol=1e-5, msg=name)
+                torch.testing.assert_close(
+                    rank_logits[name], reference, rtol=0, atol=1e-5, msg=name
+                )
         write_manifest(tmp_path / name)  # megatron's save carries none: as our engine adds it
         back = convert_mcore_to_hf(tmp_path / name, tmp_path / f"{name}-hf", template=tiny_hf_dir)
         exported = read_state_dict(back)

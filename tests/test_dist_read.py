@@ -22,7 +22,10 @@ def _other_byte_order(raw: bytes, itemsize: int) -> bytes:
     """The same torch.save file as a machine of the other byte order writes it."""
     other = "big" if sys.byteorder == "little" else "little"
     out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+    with (
+        zipfile.ZipFile(io.BytesIO(raw)) as src,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst,
+    ):
         for info in src.infolist():
             data = src.read(info.filename)
             if info.filename.rsplit("/", 1)[-1] == "byteorder":
@@ -41,7 +44,9 @@ def test_a_chunk_of_the_other_byte_order_is_swapped_not_copied(tmp_path, monkeyp
     path.write_bytes(plain + swapped)
     straight = []  # chunks read straight into place (the other order's would be garbage,
     real = dist_read._load_into  # or a crash: torch's meta load of it byteswaps a meta storage)
-    monkeypatch.setattr(dist_read, "_load_into", lambda chunk, out: straight.append(chunk) or real(chunk, out))
+    monkeypatch.setattr(
+        dist_read, "_load_into", lambda chunk, out: straight.append(chunk) or real(chunk, out)
+    )
     with open(path, "rb", buffering=0) as f:
         mine, other = _Slice(f, 0, len(plain)), _Slice(f, len(plain), len(swapped))
         assert native_byte_order(mine) and not native_byte_order(other)

@@ -36,12 +36,18 @@ def _tiny_dict(**changes):
     "changes, message",
     [
         (dict(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds num_experts=8"),
-        (dict(num_attention_heads=6, num_key_value_heads=4), "num_attention_heads=6 is not divisible by num_key_value_heads=4"),
+        (
+            dict(num_attention_heads=6, num_key_value_heads=4),
+            "num_attention_heads=6 is not divisible by num_key_value_heads=4",
+        ),
         (dict(model_type="llama"), "model_type is 'llama', expected 'qwen3_moe'"),
         (dict(tie_word_embeddings=True), "tie_word_embeddings=true is not supported"),
         (dict(mlp_only_layers=[0]), "dense layers"),
         (dict(num_hidden_layers=None), "config has no num_hidden_layers"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+            "rope type 'yarn' is not supported",
+        ),
     ],
 )
 def test_bad_config_names_the_problem(changes, message):

@@ -29,7 +29,8 @@ def test_data_files_hold_the_problems_in_verls_columns(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "response, score", [("2", 1.0), ("2\n", 1.0), ("2+", 1.0), ("12", -1.0), ("", -1.0), ("x2", -1.0)]
+    "response, score",
+    [("2", 1.0), ("2\n", 1.0), ("2+", 1.0), ("12", -1.0), ("", -1.0), ("x2", -1.0)],
 )
 def test_score_reads_the_leading_digits(response, score):
     assert compute_score("math_dapo", response, "2")["score"] == score

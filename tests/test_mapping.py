@@ -57,7 +57,7 @@ def test_qkv_is_fused_per_query_group(spec):
     heads = qkv[::d, 0].tolist()  # one entry per head block
     per_group = hpg + 2
     for g in range(spec.num_kv_heads):
-        block = heads[g * per_group:(g + 1) * per_group]
+        block = heads[g * per_group : (g + 1) * per_group]
         assert block == [*range(g * hpg, (g + 1) * hpg), 100 + g, 200 + g]
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(qkv, spec), (q, k, v), strict=True))
 
@@ -76,21 +76,28 @@ def test_fc1_is_gate_then_up_and_experts_follow_the_ep_slice(tiny_hf_dir, spec):
 def test_missing_weight_is_named(tiny_hf_dir, spec):
     hf = read_state_dict(tiny_hf_dir)
     del hf["model.layers.1.self_attn.k_norm.weight"]
-    with pytest.raises(MappingError, match=r"HF checkpoint lacks weights: model\.layers\.1\.self_attn\.k_norm\.weight"):
+    with pytest.raises(
+        MappingError,
+        match=r"HF checkpoint lacks weights: model\.layers\.1\.self_attn\.k_norm\.weight",
+    ):
         hf_to_mcore(hf, spec)
 
 
 def test_weights_for_another_config_are_rejected(tiny_hf_dir, tiny_config_factory):
     hf = read_state_dict(tiny_hf_dir)
     one_layer = load_qwen3_moe_spec(tiny_config_factory(num_hidden_layers=1))
-    with pytest.raises(MappingError, match="weights this Qwen3-MoE config does not use: model.layers.1"):
+    with pytest.raises(
+        MappingError, match="weights this Qwen3-MoE config does not use: model.layers.1"
+    ):
         hf_to_mcore(hf, one_layer)
 
 
 def test_unreadable_checkpoints(tmp_path, tiny_hf_dir):
     with pytest.raises(CheckpointError, match="is not a directory"):
         read_state_dict(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(
+        CheckpointError, match="no model.safetensors or model.safetensors.index.json"
+    ):
         read_state_dict(tmp_path)
     data = (tiny_hf_dir / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])

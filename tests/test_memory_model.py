@@ -96,8 +96,9 @@ def test_pipeline_first_stage_holds_a_full_model_of_activations():
     flat = stage_activation_bytes(_fit(), 0, 8192, recompute=False)
     piped = stage_activation_bytes(_fit(pp=4, nodes=4, devices_per_node=1), 0, 8192, False)
     assert piped == pytest.approx(flat)
-    interleaved = stage_activation_bytes(_fit(pp=4, vpp=2, nodes=4, devices_per_node=1), 0,
-                                         8192, False)
+    interleaved = stage_activation_bytes(
+        _fit(pp=4, vpp=2, nodes=4, devices_per_node=1), 0, 8192, False
+    )
     assert interleaved == pytest.approx(flat * (1 + 3 / 8))  # 1 + (pp-1)/(pp*vpp)
 
 

@@ -68,8 +68,9 @@ def test_short_run_writes_tensorboard_and_report(world1, tiny_hf_dir, tmp_path):
     spec, model = tiny_actor(world1, tiny_hf_dir)
     tap = RouterTap(model, world1)
     writer = tensorboard_writer(tmp_path / "tb", world1)
-    mon = ExpertLoadMonitor(spec.num_layers, spec.num_experts, world1, window_steps=2,
-                            writer=writer, top_k=spec.top_k).attach(tap)
+    mon = ExpertLoadMonitor(
+        spec.num_layers, spec.num_experts, world1, window_steps=2, writer=writer, top_k=spec.top_k
+    ).attach(tap)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids_BS, mask_BS = batch()
     tap.set_token_mask(mask_BS)

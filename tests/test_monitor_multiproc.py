@@ -67,8 +67,10 @@ def test_reduced_counts_equal_world1(world1_counts, tiny_hf_dir, tp, ep):
     except ValueError:
         etp = tp  # megatron-core 0.12.1 needs experts split over TP when ep == 1
     results = run_ranks(rank_counts, 2, str(tiny_hf_dir), tp, ep, etp, timeout=180)
-    print(f"tp={tp} ep={ep} etp={etp}: rank-local assignments {[int(r['local'].sum()) for r in results]},"
-          f" world-1 {int(world1_counts.sum())}")
+    print(
+        f"tp={tp} ep={ep} etp={etp}: rank-local assignments {[int(r['local'].sum()) for r in results]},"
+        f" world-1 {int(world1_counts.sum())}"
+    )
     assert results[0]["plan"]["dp"] == 2 // tp  # ep2: ranks are DP peers; tp2: one DP rank
     for r in results:
         assert torch.equal(r["reduced"], world1_counts)

@@ -60,8 +60,10 @@ def test_step_end_metrics_cumulative_and_windows():
     assert metrics["moe/aux_loss"] == 0.25
     assert not any(k.startswith("moe/ref/") for k in metrics)  # no ref pass, no ref metrics
     windows = mon.history.all_windows()
-    assert [(w.start_step, w.end_step, w.complete) for w in windows] == [(0, 1, True),
-                                                                         (2, 2, False)]
+    assert [(w.start_step, w.end_step, w.complete) for w in windows] == [
+        (0, 1, True),
+        (2, 2, False),
+    ]
     assert windows[0].counts_PLE[0, 0].tolist() == [6, 4, 4, 2]
     assert mon.history.cumulative_PLE[0, 1].tolist() == [12, 12, 0, 0]
 

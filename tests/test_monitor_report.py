@@ -52,13 +52,20 @@ def test_render_writes_html_and_images(tmp_path, capsys):
     assert code == 0, err
     html = (out / "index.html").read_text()
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["aux_loss.png", "update_ep_load.png", "update_heatmap.png",
-                    "update_imbalance.png"]
+    assert pngs == [
+        "aux_loss.png",
+        "update_ep_load.png",
+        "update_heatmap.png",
+        "update_imbalance.png",
+    ]
     assert all(f'src="{name}"' in html for name in pngs)
     assert all((out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
     code, _, err = _cli(capsys, "render", report, "-o", out)
-    assert code == 2 and err == f"error: {out} exists: pass --force to replace it or choose another directory\n"
+    assert (
+        code == 2
+        and err == f"error: {out} exists: pass --force to replace it or choose another directory\n"
+    )
     assert _cli(capsys, "render", report, "-o", out, "--force")[0] == 0  # replaces its own dir
 
 
@@ -130,13 +137,19 @@ def test_compare_flags_collapse_across_ep_degrees(tmp_path, capsys):
     assert code == 0, err
     result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     # 3 x 300 of 900 + 13 x 5 = 965 tokens: top 3 take 93%, was 3 / 16 = 19%
-    assert result["sentences"][0].startswith("layer 3: top 3 experts now take 93% of tokens, was 19%")
+    assert result["sentences"][0].startswith(
+        "layer 3: top 3 experts now take 93% of tokens, was 19%"
+    )
     assert len(result["sentences"]) == 1 and "1 of 4 layers changed notably" in out
     assert result["ep_a"] == 2 and result["ep_b"] == 4
     movers = result["movers"]
     assert {m["expert"] for m in movers[:3]} == {0, 1, 2} and {m["layer"] for m in movers} == {3}
     assert sorted(p.name for p in (tmp_path / "cmp").glob("*.png")) == [
-        "ep_max_over_mean.png", "jsd.png", "max_over_mean.png", "share_delta.png"]
+        "ep_max_over_mean.png",
+        "jsd.png",
+        "max_over_mean.png",
+        "share_delta.png",
+    ]
 
 
 def test_compare_windows_of_one_run(tmp_path, capsys):

@@ -33,8 +33,16 @@ def reference(world1, tiny_hf_dir):
     "world, tp, ep, pp, etp, fast",
     # tp2xep2 on 4 ranks: attention tp2 x dp2, experts ep2 x edp2 (MoE parallel folding);
     # "fast": GroupedExperts + SDPAttention against the same world-1 reference
-    [(2, 2, 1, 1, 1, False), (2, 2, 1, 1, 2, False), (2, 1, 2, 1, 1, False), (2, 1, 1, 2, 1, False),
-     (4, 2, 2, 1, 1, False), (2, 2, 1, 1, 2, True), (2, 1, 2, 1, 1, True), (4, 2, 2, 1, 1, True)],
+    [
+        (2, 2, 1, 1, 1, False),
+        (2, 2, 1, 1, 2, False),
+        (2, 1, 2, 1, 1, False),
+        (2, 1, 1, 2, 1, False),
+        (4, 2, 2, 1, 1, False),
+        (2, 2, 1, 1, 2, True),
+        (2, 1, 2, 1, 1, True),
+        (4, 2, 2, 1, 1, True),
+    ],
     ids=["tp2", "tp2-etp2", "ep2", "pp2", "tp2xep2", "fast-tp2-etp2", "fast-ep2", "fast-tp2xep2"],
 )
 def test_plan_matches_world1(reference, tiny_hf_dir, world, tp, ep, pp, etp, fast):

@@ -28,10 +28,16 @@ def _plan_error(**plan) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(tp=4, ep=8, nodes=4), dict(tp=2, pp=2, cp=2, ep=4, nodes=4),
-    dict(tp=2, ep=2, etp=2, nodes=2), dict(pp=4, ep=16, nodes=8), dict(cp=2, tp=2, ep=2, nodes=1),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(tp=4, ep=8, nodes=4),
+        dict(tp=2, pp=2, cp=2, ep=4, nodes=4),
+        dict(tp=2, ep=2, etp=2, nodes=2),
+        dict(pp=4, ep=16, nodes=8),
+        dict(cp=2, tp=2, ep=2, nodes=1),
+    ],
+)
 def test_dp_and_edp_fold_the_world_twice(kw):
     p = ParallelPlan(**kw)
     assert p.tp * p.cp * p.dp * p.pp == p.world
@@ -45,8 +51,9 @@ def test_derived_sizes_of_the_recipe_plan():
     assert (q.dp, q.edp) == (2, 2)
 
 
-@pytest.mark.parametrize("name,value", [("tp", 0), ("ep", -2), ("nodes", 0), ("vpp", 0),
-                                        ("cp", 1.5)])
+@pytest.mark.parametrize(
+    "name,value", [("tp", 0), ("ep", -2), ("nodes", 0), ("vpp", 0), ("cp", 1.5)]
+)
 def test_sizes_must_be_positive_integers(name, value):
     assert _plan_error(**{name: value}) == f"{name}={value!r} must be a positive integer"
 
@@ -67,8 +74,9 @@ def test_vpp_needs_a_pipeline():
 
 
 def test_tp_beyond_kv_heads():
-    assert _model_error(tp=8) == ("tp=8 does not divide num_key_value_heads=4: "
-                                  "legal tp for this model: 1, 2, 4")
+    assert _model_error(tp=8) == (
+        "tp=8 does not divide num_key_value_heads=4: legal tp for this model: 1, 2, 4"
+    )
 
 
 def test_ep_must_divide_experts():
@@ -86,20 +94,24 @@ def test_etp_must_divide_the_expert_ffn():
 def test_pp_must_divide_layers():
     assert _model_error(pp=5, nodes=5) == (
         "pp=5 does not divide num_hidden_layers=48: legal pp for this model: "
-        "1, 2, 3, 4, 6, 8, 12, 16, 24, 48 (or set first/last stage layers)")
+        "1, 2, 3, 4, 6, 8, 12, 16, 24, 48 (or set first/last stage layers)"
+    )
 
 
 def test_pp_times_vpp_must_divide_layers():
     assert _model_error(pp=4, vpp=5, nodes=4).startswith(
-        "pp*vpp=20 does not divide num_hidden_layers=48")
+        "pp*vpp=20 does not divide num_hidden_layers=48"
+    )
 
 
 def test_uneven_stages_split_the_rest_evenly():
-    fit = check_against_model(ParallelPlan(pp=4, first_stage_layers=11, last_stage_layers=11,
-                                           nodes=4), QWEN)
+    fit = check_against_model(
+        ParallelPlan(pp=4, first_stage_layers=11, last_stage_layers=11, nodes=4), QWEN
+    )
     assert fit.stage_layers == (11, 13, 13, 11) and sum(fit.stage_layers) == QWEN.num_layers
-    assert "must split it evenly" in _model_error(pp=4, first_stage_layers=10,
-                                                  last_stage_layers=11, nodes=4)
+    assert "must split it evenly" in _model_error(
+        pp=4, first_stage_layers=10, last_stage_layers=11, nodes=4
+    )
 
 
 def test_sequence_parallel_follows_tp():
@@ -171,23 +183,46 @@ def test_auto_respects_pinned_dimensions():
 def test_cli_prints_plan_layout_memory_and_warnings(capsys):
     assert main(["--nodes", "4", "--tp", "4", "--ep", "8", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
-    for expected in ("plan: tp=4 pp=1 cp=1 ep=8", "sequence_parallel=True", "layout (",
-                     "optimizer (fp32 master", "of 80 GiB", "warnings:"):
+    for expected in (
+        "plan: tp=4 pp=1 cp=1 ep=8",
+        "sequence_parallel=True",
+        "layout (",
+        "optimizer (fp32 master",
+        "of 80 GiB",
+        "warnings:",
+    ):
         assert expected in out
 
 
 def test_cli_illegal_plan_exits_2_with_one_line(capsys):
     assert main(["--tp", "8"]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: tp=8 does not divide num_key_value_heads=4: "
-                   "legal tp for this model: 1, 2, 4\n")
+    assert err == (
+        "error: tp=8 does not divide num_key_value_heads=4: legal tp for this model: 1, 2, 4\n"
+    )
 
 
 def test_cli_auto_and_custom_model(tmp_path, capsys):
     config = {"model_type": "qwen3_moe", **TINY_QWEN3_MOE}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert main(["--model", str(tmp_path), "--auto", "--nodes", "1", "--devices-per-node", "4",
-                 "--device", "cpu", "--device-memory-gb", "16"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path),
+                "--auto",
+                "--nodes",
+                "1",
+                "--devices-per-node",
+                "4",
+                "--device",
+                "cpu",
+                "--device-memory-gb",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert "auto:" in capsys.readouterr().out
     assert main(["--model", str(tmp_path / "missing")]) == 2
     assert "no config.json" in capsys.readouterr().err

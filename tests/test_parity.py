@@ -91,8 +91,10 @@ def test_routing_matches_transformers(mcore_model, tiny_hf_model, batch):
     tap = RouterTap(mcore_model, None)
     tap.add_listener(lambda c: chosen.__setitem__(c.layer, c.routing_map_TE))
     hf_logits = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: hf_logits.append(o))
-             for layer in tiny_hf_model.model.layers]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, o: hf_logits.append(o))
+        for layer in tiny_hf_model.model.layers
+    ]
     try:
         with torch.no_grad():
             forward_logits(mcore_model, batch)

@@ -9,8 +9,15 @@ from parallel.plan import ParallelPlan, PlanError
 from tests.multiproc import run_ranks
 
 # (tp, pp, cp, ep, etp) run inside one spawn per world size
-PLANS_8 = [(2, 1, 1, 4, 1), (2, 2, 1, 2, 1), (4, 1, 1, 2, 1), (2, 1, 2, 2, 1), (1, 2, 1, 4, 1),
-           (2, 1, 1, 2, 2), (1, 2, 2, 2, 2)]
+PLANS_8 = [
+    (2, 1, 1, 4, 1),
+    (2, 2, 1, 2, 1),
+    (4, 1, 1, 2, 1),
+    (2, 1, 2, 2, 1),
+    (1, 2, 1, 4, 1),
+    (2, 1, 1, 2, 2),
+    (1, 2, 2, 2, 2),
+]
 PLANS_4 = [(2, 1, 1, 2, 1), (1, 2, 1, 2, 1)]
 # ProcessGroups field -> layout group
 FIELDS = {"tp": "tp", "pp": "pp", "cp": "cp", "dp": "dp", "ep": "ep", "etp": "etp", "edp": "edp"}
@@ -26,7 +33,12 @@ def test_layout_matches_megatron_rank_generator():
 
     checked = 0
     for world, tp, cp, pp, ep, etp, order in product(
-        (8, 16, 64), (1, 2, 4), (1, 2), (1, 2, 4), (1, 2, 8), (1, 2),
+        (8, 16, 64),
+        (1, 2, 4),
+        (1, 2),
+        (1, 2, 4),
+        (1, 2, 8),
+        (1, 2),
         ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"),
     ):
         try:
@@ -36,12 +48,20 @@ def test_layout_matches_megatron_rank_generator():
             continue
         attention = RankGenerator(tp=tp, ep=1, dp=plan.dp, pp=pp, cp=cp, order=order)
         expert = RankGenerator(tp=etp, ep=ep, dp=plan.edp, pp=pp, cp=1, order=order)
-        for name, gen, token in (("tp", attention, "tp"), ("cp", attention, "cp"),
-                                 ("dp", attention, "dp"), ("pp", attention, "pp"),
-                                 ("ep", expert, "ep"), ("etp", expert, "tp"),
-                                 ("edp", expert, "dp")):
+        for name, gen, token in (
+            ("tp", attention, "tp"),
+            ("cp", attention, "cp"),
+            ("dp", attention, "dp"),
+            ("pp", attention, "pp"),
+            ("ep", expert, "ep"),
+            ("etp", expert, "tp"),
+            ("edp", expert, "dp"),
+        ):
             assert layout.groups(name) == sorted(map(tuple, gen.get_ranks(token))), (
-                plan, order, name)
+                plan,
+                order,
+                name,
+            )
         checked += 1
     assert checked > 300
 

@@ -33,5 +33,8 @@ def test_a_value_bigger_than_the_budget_still_loads():
 
 
 def test_out_of_order_request_is_refused():
-    with ReadAhead(["a", "b"], str.upper, lambda n: 1) as ra, pytest.raises(AssertionError, match="expected a"):
+    with (
+        ReadAhead(["a", "b"], str.upper, lambda n: 1) as ra,
+        pytest.raises(AssertionError, match="expected a"),
+    ):
         ra("b")

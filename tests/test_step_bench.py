@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("step_bench", ROOT / "scripts/bench/step_bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "step_bench", ROOT / "scripts/bench/step_bench.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -17,8 +19,19 @@ def _bench():
 
 def test_tiny_preset_times_every_system(world1, tmp_path, capsys):
     out = tmp_path / "step.json"
-    argv = ["--preset", "tiny", "--iters", "1", "--warmup", "1", "--breakdown", "--out", str(out),
-            "--systems", "ours,mcore-local,hf-grouped_mm,hf-eager"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--breakdown",
+        "--out",
+        str(out),
+        "--systems",
+        "ours,mcore-local,hf-grouped_mm,hf-eager",
+    ]
     doc = _bench().main(argv)
     assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == doc
     assert doc["settings"]["complete"] and doc["shape"]["tokens"] == 128

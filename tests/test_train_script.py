@@ -238,7 +238,10 @@ def _fails_with_one_line(capsys, args, *needles):
     [
         (["--tp", "3"], "tp=3 does not divide num_key_value_heads=4"),
         (["--tp", "16", "--nodes", "1"], "tp=16 does not divide num_key_value_heads=4"),
-        (["--tp", "2", "--nodes", "1", "--devices-per-node", "3"], "tp*cp*pp=2 does not divide world=3"),
+        (
+            ["--tp", "2", "--nodes", "1", "--devices-per-node", "3"],
+            "tp*cp*pp=2 does not divide world=3",
+        ),
         (["--tp", "8"], "tp=8 does not divide num_key_value_heads=4"),
         (["--ep", "64"], "etp*ep*pp=64 does not divide world=32"),
         (["--ep", "12", "--nodes", "3"], "ep=12 does not divide num_experts=128"),
@@ -341,13 +344,30 @@ def test_shell_script_forwards_to_the_launcher(files):
         text=True,
         timeout=300,
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: tp=3 does not divide num_key_value_heads=4")
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        "error: tp=3 does not divide num_key_value_heads=4"
+    )
 
 
 @pytest.mark.parametrize("device, label", [("npu", "Ascend A2"), ("cuda", "H100")])
-def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(device, label, nothing_starts, capsys):
-    rc = launch.main(["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8",
-                      "--device", device, "--dry-run"])
+def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(
+    device, label, nothing_starts, capsys
+):
+    rc = launch.main(
+        [
+            "--tp",
+            "4",
+            "--ep",
+            "8",
+            "--nodes",
+            "4",
+            "--devices-per-node",
+            "8",
+            "--device",
+            device,
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert f"mcore_ep actor on {label} x 32" in out
@@ -376,8 +396,21 @@ def test_history_merges_launches_and_skips_a_torn_line(tmp_path):
 
 @pytest.mark.parametrize("device", ["npu", "cuda"])
 def test_dry_run_names_the_rollout_r3_needs(device, nothing_starts, capsys):
-    base = ["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8", "--device", device,
-            "--dry-run", "--", "actor_rollout_ref.actor.mcore_ep.router_replay=R3"]
+    base = [
+        "--tp",
+        "4",
+        "--ep",
+        "8",
+        "--nodes",
+        "4",
+        "--devices-per-node",
+        "8",
+        "--device",
+        device,
+        "--dry-run",
+        "--",
+        "actor_rollout_ref.actor.mcore_ep.router_replay=R3",
+    ]
     assert launch.main(base) == 0
     out = capsys.readouterr().out
     assert "routing replay: R3" in out and "vLLM >= 0.22 on CUDA" in out

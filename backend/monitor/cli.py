@@ -16,25 +16,43 @@ from backend.monitor.report import ReportError, load_report
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m backend.monitor", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="python -m backend.monitor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def flags(p):
-        p.add_argument("-o", "--out", required=True, help="output directory (replaced only with --force)")
-        p.add_argument("--force", action="store_true", help="replace an earlier output of this tool")
+        p.add_argument(
+            "-o", "--out", required=True, help="output directory (replaced only with --force)"
+        )
+        p.add_argument(
+            "--force", action="store_true", help="replace an earlier output of this tool"
+        )
         p.add_argument("--debug", action="store_true", help="tracebacks for errors")
 
     rend = sub.add_parser("render", help="HTML page with plots of one report")
     rend.add_argument("report", help="moe_report.json written by the monitor")
     flags(rend)
-    rend.add_argument("--phase", action="append", help="phase(s) to show (default: all with tokens)")
+    rend.add_argument(
+        "--phase", action="append", help="phase(s) to show (default: all with tokens)"
+    )
     comp = sub.add_parser("compare", help="routing changes between two reports or two windows")
-    comp.add_argument("reports", nargs="+", metavar="REPORT",
-                      help="one report (with --window A B) or two (A then B)")
+    comp.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT",
+        help="one report (with --window A B) or two (A then B)",
+    )
     flags(comp)
-    comp.add_argument("--window", nargs=2, metavar=("A", "B"), default=("all", "all"),
-                      help="early | late | all | window index, for A and B (default: all all)")
+    comp.add_argument(
+        "--window",
+        nargs=2,
+        metavar=("A", "B"),
+        default=("all", "all"),
+        help="early | late | all | window index, for A and B (default: all all)",
+    )
     comp.add_argument("--phase", default="update")
     comp.add_argument("--ep", type=int, help="evaluate EP-rank metrics of both at this EP degree")
     comp.add_argument("--jsd-threshold", type=float, default=Thresholds.jsd_bits)
@@ -57,8 +75,10 @@ def _sides(args) -> tuple[Side, Side]:
         agreement = report.agreement_L(*_span(report, args.phase, which))
         sides.append(Side(label, counts, args.ep or report.ep, agreement))
     if len(reports) == 1 and sides[0].label == sides[1].label:
-        raise ReportError(f"--window {' '.join(args.window)} both select {sides[0].label} of "
-                          f"{ra.path}: it needs at least two windows (lower window_steps)")
+        raise ReportError(
+            f"--window {' '.join(args.window)} both select {sides[0].label} of "
+            f"{ra.path}: it needs at least two windows (lower window_steps)"
+        )
     return sides[0], sides[1]
 
 
@@ -80,9 +100,14 @@ def _run(args) -> int:
     result = compare(a, b, Thresholds(args.jsd_threshold, args.share_threshold))
     out = render_compare(result, a, b, args.out, force=args.force)
     print("\n".join([result["summary"], *result["sentences"], f"wrote {out}/index.html"]))
-    if len(args.reports) == 2 and os.path.realpath(args.reports[0]) == os.path.realpath(args.reports[1]):
-        print(f"warning: {args.reports[0]} and {args.reports[1]} are the same file: "
-              "this compared the run with itself", file=sys.stderr)
+    if len(args.reports) == 2 and os.path.realpath(args.reports[0]) == os.path.realpath(
+        args.reports[1]
+    ):
+        print(
+            f"warning: {args.reports[0]} and {args.reports[1]} are the same file: "
+            "this compared the run with itself",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -90,5 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_exit_code(_parser(), argv)
     if isinstance(args, int):
         return args
-    return run_cli(lambda: _run(args), debug=args.debug, user_errors=(ReportError, ValueError),
-                   interrupted="no output was written")
+    return run_cli(
+        lambda: _run(args),
+        debug=args.debug,
+        user_errors=(ReportError, ValueError),
+        interrupted="no output was written",
+    )

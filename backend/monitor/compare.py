@@ -44,12 +44,15 @@ def jensen_shannon_L(a_LE, b_LE) -> torch.Tensor:
 def check_comparable(a: Side, b: Side) -> None:
     if a.counts_LE.shape != b.counts_LE.shape:
         (la, ea), (lb, eb) = a.counts_LE.shape, b.counts_LE.shape
-        raise ReportError(f"layer/expert count mismatch: {a.label} is {la}x{ea}, {b.label} is "
-                          f"{lb}x{eb}: compare runs of the same model")
+        raise ReportError(
+            f"layer/expert count mismatch: {a.label} is {la}x{ea}, {b.label} is "
+            f"{lb}x{eb}: compare runs of the same model"
+        )
     for side in (a, b):
         if side.counts_LE.sum() == 0:
-            raise ReportError(f"{side.label} has no tokens in this phase/window: "
-                              "pick another --phase or --window")
+            raise ReportError(
+                f"{side.label} has no tokens in this phase/window: pick another --phase or --window"
+            )
 
 
 def top_movers(a: Side, b: Side, n: int) -> list[dict]:
@@ -61,19 +64,29 @@ def top_movers(a: Side, b: Side, n: int) -> list[dict]:
     rows = []
     for flat in order.tolist():
         layer, expert = divmod(flat, num_experts)
-        rows.append({"layer": layer, "expert": expert, "share_a": share_a[layer, expert].item(),
-                     "share_b": share_b[layer, expert].item(),
-                     "delta": delta_LE[layer, expert].item()})
+        rows.append(
+            {
+                "layer": layer,
+                "expert": expert,
+                "share_a": share_a[layer, expert].item(),
+                "share_b": share_b[layer, expert].item(),
+                "delta": delta_LE[layer, expert].item(),
+            }
+        )
     return rows
 
 
 def _sentence(layer: int, row: dict, mover: dict) -> str:
-    text = (f"layer {layer}: top {TOP_N} experts now take {row['top3_b']:.0%} of tokens, "
-            f"was {row['top3_a']:.0%}")
+    text = (
+        f"layer {layer}: top {TOP_N} experts now take {row['top3_b']:.0%} of tokens, "
+        f"was {row['top3_a']:.0%}"
+    )
     if row["dead_b"] != row["dead_a"]:
         text += f"; {row['dead_b']:.0f} experts get no tokens, was {row['dead_a']:.0f}"
-    return (text + f"; expert {mover['expert']} {mover['share_a']:.0%} -> "
-            f"{mover['share_b']:.0%} (JSD {row['jsd']:.3f} bits)")
+    return (
+        text + f"; expert {mover['expert']} {mover['share_a']:.0%} -> "
+        f"{mover['share_b']:.0%} (JSD {row['jsd']:.3f} bits)"
+    )
 
 
 def _agreement_row(a: Side, b: Side, layer: int) -> dict:
@@ -91,26 +104,51 @@ def compare(a: Side, b: Side, limits: Thresholds = Thresholds()) -> dict:
     jsd_L = jensen_shannon_L(a.counts_LE, b.counts_LE)
     layers, sentences = [], []
     for layer in range(a.counts_LE.shape[0]):
-        row = {"layer": layer, "jsd": jsd_L[layer].item(), "top3_a": top_a[layer].item(),
-               "top3_b": top_b[layer].item(), "dead_a": ma["dead"][layer].item(),
-               "dead_b": mb["dead"][layer].item()}
+        row = {
+            "layer": layer,
+            "jsd": jsd_L[layer].item(),
+            "top3_a": top_a[layer].item(),
+            "top3_b": top_b[layer].item(),
+            "dead_a": ma["dead"][layer].item(),
+            "dead_b": mb["dead"][layer].item(),
+        }
         for name in ma:
             row[f"{name}_a"], row[f"{name}_b"] = ma[name][layer].item(), mb[name][layer].item()
             row[f"{name}_delta"] = row[f"{name}_b"] - row[f"{name}_a"]
         row.update(_agreement_row(a, b, layer))
-        row["flagged"] = bool(row["jsd"] >= limits.jsd_bits
-                              or abs(row["top3_b"] - row["top3_a"]) >= limits.top_share)
+        row["flagged"] = bool(
+            row["jsd"] >= limits.jsd_bits or abs(row["top3_b"] - row["top3_a"]) >= limits.top_share
+        )
         if row["flagged"]:
-            sentences.append(_sentence(layer, row, top_movers(
-                Side(a.label, a.counts_LE[layer:layer + 1], 1),
-                Side(b.label, b.counts_LE[layer:layer + 1], 1), 1)[0]))
+            sentences.append(
+                _sentence(
+                    layer,
+                    row,
+                    top_movers(
+                        Side(a.label, a.counts_LE[layer : layer + 1], 1),
+                        Side(b.label, b.counts_LE[layer : layer + 1], 1),
+                        1,
+                    )[0],
+                )
+            )
         layers.append(row)
     finite = [r for r in layers if not math.isnan(r["jsd"])]
     worst = max(finite, key=lambda r: r["jsd"]) if finite else None
-    summary = (f"{len(sentences)} of {len(layers)} layers changed notably" if sentences
-               else "no layer changed notably")
+    summary = (
+        f"{len(sentences)} of {len(layers)} layers changed notably"
+        if sentences
+        else "no layer changed notably"
+    )
     if worst is not None:
         summary += f" (largest JSD {worst['jsd']:.3f} bits, layer {worst['layer']})"
-    return {"a": a.label, "b": b.label, "ep_a": a.ep, "ep_b": b.ep, "summary": summary,
-            "sentences": sentences, "layers": layers, "movers": top_movers(a, b, limits.movers),
-            "thresholds": vars(limits)}
+    return {
+        "a": a.label,
+        "b": b.label,
+        "ep_a": a.ep,
+        "ep_b": b.ep,
+        "summary": summary,
+        "sentences": sentences,
+        "layers": layers,
+        "movers": top_movers(a, b, limits.movers),
+        "thresholds": vars(limits),
+    }

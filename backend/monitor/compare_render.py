@@ -12,9 +12,23 @@ from backend.monitor.metrics import shares_LE
 from backend.monitor.outdir import atomic_dir
 from backend.monitor.report import _strict
 
-LAYER_COLUMNS = ("jsd", "top3_a", "top3_b", "max_over_mean_a", "max_over_mean_b", "cv_a", "cv_b",
-                 "entropy_a", "entropy_b", "dead_a", "dead_b", "ep_max_over_mean_a",
-                 "ep_max_over_mean_b", "agreement_a", "agreement_b")
+LAYER_COLUMNS = (
+    "jsd",
+    "top3_a",
+    "top3_b",
+    "max_over_mean_a",
+    "max_over_mean_b",
+    "cv_a",
+    "cv_b",
+    "entropy_a",
+    "entropy_b",
+    "dead_a",
+    "dead_b",
+    "ep_max_over_mean_a",
+    "ep_max_over_mean_b",
+    "agreement_a",
+    "agreement_b",
+)
 
 
 def _curve(result: dict, key: str) -> np.ndarray:
@@ -28,11 +42,17 @@ def _plots(result: dict, a: Side, b: Side, tmp: Path) -> list[str]:
         "jsd.png": plots.jsd_figure(_curve(result, "jsd"), f"{b.label} vs {a.label}"),
         "share_delta.png": plots.delta_heatmap_figure(delta_LE, f"share: {b.label} - {a.label}"),
         "max_over_mean.png": plots.metric_delta_figure(
-            _curve(result, "max_over_mean_a"), _curve(result, "max_over_mean_b"),
-            "max_over_mean", labels),
+            _curve(result, "max_over_mean_a"),
+            _curve(result, "max_over_mean_b"),
+            "max_over_mean",
+            labels,
+        ),
         "ep_max_over_mean.png": plots.metric_delta_figure(
-            _curve(result, "ep_max_over_mean_a"), _curve(result, "ep_max_over_mean_b"),
-            "ep_max_over_mean", (f"{a.label} (ep={a.ep})", f"{b.label} (ep={b.ep})")),
+            _curve(result, "ep_max_over_mean_a"),
+            _curve(result, "ep_max_over_mean_b"),
+            "ep_max_over_mean",
+            (f"{a.label} (ep={a.ep})", f"{b.label} (ep={b.ep})"),
+        ),
     }
     for name, fig in figures.items():
         plots.save_png(fig, tmp / name)
@@ -47,10 +67,11 @@ def render_compare(result: dict, a: Side, b: Side, out: str | Path, force: bool 
         parts += _plots(result, a, b, tmp)
         parts.append(h.heading("experts whose share moved most"))
         movers = result["movers"]
-        parts.append(h.table(list(movers[0]) if movers else [],
-                             [list(m.values()) for m in movers]))
+        parts.append(h.table(list(movers[0]) if movers else [], [list(m.values()) for m in movers]))
         parts.append(h.heading("per layer"))
         rows = [[r["layer"], *(r[c] for c in LAYER_COLUMNS)] for r in result["layers"]]
         parts.append(h.table(["layer", *LAYER_COLUMNS], rows))
-        (tmp / "index.html").write_text(h.page(f"Routing comparison: {b.label} vs {a.label}", parts))
+        (tmp / "index.html").write_text(
+            h.page(f"Routing comparison: {b.label} vs {a.label}", parts)
+        )
     return Path(out)

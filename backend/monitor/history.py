@@ -56,8 +56,14 @@ class LoadHistory:
         shape = (len(self.phases), self.num_layers, self.num_experts)
         self.cumulative_PLE = torch.zeros(shape, dtype=torch.int64)
 
-    def add(self, step: int, counts_PLE: torch.Tensor, aux_loss: dict[str, float],
-            metrics: dict | None = None, mismatch: dict[str, float] | None = None) -> None:
+    def add(
+        self,
+        step: int,
+        counts_PLE: torch.Tensor,
+        aux_loss: dict[str, float],
+        metrics: dict | None = None,
+        mismatch: dict[str, float] | None = None,
+    ) -> None:
         """Fold in one step's reduced counts; `metrics`: its phase_metrics if already computed;
         `mismatch`: its routing agreement / rollout log-prob metrics, kept when given."""
         self.cumulative_PLE += counts_PLE

@@ -36,6 +36,9 @@ def paragraph(text: str, cls: str = "") -> str:
 
 
 def page(title: str, parts: list[str]) -> str:
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>"
-            + "\n".join(parts) + "</body></html>\n")
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>"
+        + "\n".join(parts)
+        + "</body></html>\n"
+    )

@@ -133,7 +133,9 @@ def overall_metrics(counts_LE, ep: int = 1, per_layer: dict | None = None) -> di
     out["ep_straggler"] = ep_straggler(counts, ep) if counts.sum() > 0 else math.nan
     if ep > 1:  # which rank is the straggler: its share of all layers' assignments
         load_R = ep_rank_load_LR(counts, ep).sum(0)
-        out.update({f"ep_rank_{r}_share": v for r, v in enumerate((load_R / load_R.sum()).tolist())})
+        out.update(
+            {f"ep_rank_{r}_share": v for r, v in enumerate((load_R / load_R.sum()).tolist())}
+        )
     return out
 
 

@@ -19,8 +19,9 @@ def _check_replaceable(out: Path, force: bool) -> None:
     if not out.is_dir():
         raise ReportError(f"{out} is a file: pass a directory path for the output")
     if any(out.iterdir()) and not (out / MARKER).exists():
-        raise ReportError(f"{out} is not empty and was not written by this tool: "
-                          "pass a new or empty directory")
+        raise ReportError(
+            f"{out} is not empty and was not written by this tool: pass a new or empty directory"
+        )
     if any(out.iterdir()) and not force:
         raise ReportError(f"{out} exists: pass --force to replace it or choose another directory")
 

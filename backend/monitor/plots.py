@@ -40,8 +40,9 @@ def delta_heatmap_figure(delta_LE: np.ndarray, title: str) -> Figure:
     bound = float(np.abs(delta_LE).max()) or 1e-9
     fig = _figure(_fit(num_experts, 0.08, 6, 14), _fit(num_layers, 0.12, 2.5, 8))
     ax = fig.add_subplot()
-    image = ax.imshow(delta_LE, aspect="auto", interpolation="nearest", cmap="RdBu_r",
-                      vmin=-bound, vmax=bound)
+    image = ax.imshow(
+        delta_LE, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-bound, vmax=bound
+    )
     ax.set(title=title, xlabel="expert (global index)", ylabel="layer")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=ax, label="share change")
@@ -53,8 +54,9 @@ def imbalance_figure(steps: list[int], curve_SL: np.ndarray, name: str, title: s
     fig = _figure(10, 6)
     top, bottom = fig.subplots(2, 1, sharex=True)
     extent = (steps[0] - 0.5, steps[-1] + 0.5, curve_SL.shape[1] - 0.5, -0.5)
-    image = top.imshow(curve_SL.T, aspect="auto", interpolation="nearest", extent=extent,
-                       cmap="magma")
+    image = top.imshow(
+        curve_SL.T, aspect="auto", interpolation="nearest", extent=extent, cmap="magma"
+    )
     top.set(title=title, ylabel="layer")
     top.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=top, label=name)
@@ -90,7 +92,9 @@ def jsd_figure(jsd_L: np.ndarray, title: str) -> Figure:
     return fig
 
 
-def metric_delta_figure(a_L: np.ndarray, b_L: np.ndarray, name: str, labels: tuple[str, str]) -> Figure:
+def metric_delta_figure(
+    a_L: np.ndarray, b_L: np.ndarray, name: str, labels: tuple[str, str]
+) -> Figure:
     fig = _figure(_fit(len(a_L), 0.15, 5, 12), 3.5)
     ax = fig.add_subplot()
     layers = np.arange(len(a_L))

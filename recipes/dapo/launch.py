@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     for dim in CLUSTER_PLAN:
         plan.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim} size")
     plan.add_argument("--nodes", type=positive_int, default=4, help="nodes in the Ray cluster")
-    plan.add_argument("--devices-per-node", type=positive_int, default=8, help="accelerators per node")
+    plan.add_argument(
+        "--devices-per-node", type=positive_int, default=8, help="accelerators per node"
+    )
     p.add_argument(
         "--device",
         choices=("npu", "cuda", "cpu"),
@@ -114,7 +116,6 @@ class Resolved:
         lines.append("command: " + " ".join(self.command[:3]) + " <the overrides above>")
         return "\n".join(lines)
 
-
     def _layout_and_warnings(self) -> list[str]:
         from parallel.advice import cross_node_warnings, expert_notes, expert_warnings, listed
         from parallel.layout import RankLayout
@@ -123,8 +124,11 @@ class Resolved:
         layout = RankLayout(self.run.plan)
         tokens = overrides.MICRO_BATCH_TOKENS
         warnings = cross_node_warnings(layout) + expert_warnings(self.model_fit, tokens)
-        return [layout_summary(layout), *listed("notes", expert_notes(self.model_fit, tokens)),
-                *listed("warnings", warnings)]
+        return [
+            layout_summary(layout),
+            *listed("notes", expert_notes(self.model_fit, tokens)),
+            *listed("warnings", warnings),
+        ]
 
 
 R3_ROLLOUT = (
@@ -144,7 +148,7 @@ def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
     mode = str(_override(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled")
     if mode == "disabled":
         return []
-    lines = [f"routing replay: {mode} (recipes/README.md, \"Routing replay\")"]
+    lines = [f'routing replay: {mode} (recipes/README.md, "Routing replay")']
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
     on = str(_override(groups, key)).lower() == "true"
     if mode == "R3":
@@ -206,8 +210,10 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
 
     local = [f"--{n}" for n in LOCAL_ONLY if getattr(args, n) not in (None, False)]
     if local:
-        raise LaunchError(f"{', '.join(local)} configure the local CPU run, not a {device} cluster run: "
-                          "drop them (pass verl overrides after --, e.g. -- trainer.total_training_steps=N)")
+        raise LaunchError(
+            f"{', '.join(local)} configure the local CPU run, not a {device} cluster run: "
+            "drop them (pass verl overrides after --, e.g. -- trainer.total_training_steps=N)"
+        )
     # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
@@ -219,7 +225,9 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         )
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
-    model_fit = plan_for_model(spec, args.nodes, args.devices_per_node, **dims)  # model reasons first
+    model_fit = plan_for_model(
+        spec, args.nodes, args.devices_per_node, **dims
+    )  # model reasons first
     plan = model_fit.plan
     rollout_tp = overrides.DAPO["rollout_tp"]
     if plan.world % rollout_tp:

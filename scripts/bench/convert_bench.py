@@ -37,11 +37,26 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-    torch_dtype="bfloat16", decoder_sparse_step=1, mlp_only_layers=[],
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
 )
 GB = 1e9
 
@@ -61,7 +76,7 @@ def _values(pool: torch.Tensor, i: int, n: int) -> torch.Tensor:
     if n > pool.numel():
         return pool.repeat(-(-n // pool.numel()))[:n]
     start = (i * 7919) % (pool.numel() - n + 1)
-    return pool[start:start + n]
+    return pool[start : start + n]
 
 
 def write_synthetic(out: Path, layers: int, shard_bytes: int) -> list:
@@ -152,11 +167,17 @@ def run_measured(argv: list[str], source: Path) -> dict:
     t = _timings(err)
     # VmHWM is the child's own peak; wait4's ru_maxrss would include the RSS this parent
     # had when it forked (Linux keeps maxrss across exec)
-    return {"seconds": end - start, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "startup_s": t["data_start"] - start, "data_s": t["data_end"] - t["data_start"],
-            "exit_s": end - t["data_end"], "data_cpu_s": t["data_cpu_s"],
-            "minor_faults": usage.ru_minflt,
-            "peak_rss_gb": t["vmhwm_bytes"] / GB, "sampled_peak_rss_gb": peak[0] / GB}
+    return {
+        "seconds": end - start,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "startup_s": t["data_start"] - start,
+        "data_s": t["data_end"] - t["data_start"],
+        "exit_s": end - t["data_end"],
+        "data_cpu_s": t["data_cpu_s"],
+        "minor_faults": usage.ru_minflt,
+        "peak_rss_gb": t["vmhwm_bytes"] / GB,
+        "sampled_peak_rss_gb": peak[0] / GB,
+    }
 
 
 def _timings(stderr: str) -> dict:
@@ -194,10 +215,18 @@ def child(verb: str, args: list[str]) -> None:
             data_start()
             super().__init__(*a, **k)
 
-    dist_ckpt.save_streaming, convert.ShardedWriter, hf_writer.ShardedWriter = save_streaming, Writer, Writer
+    dist_ckpt.save_streaming, convert.ShardedWriter, hf_writer.ShardedWriter = (
+        save_streaming,
+        Writer,
+        Writer,
+    )
     code = entry.main([verb, *args, "--no-progress"])
-    timings = {"data_start": t["data_start"], "data_end": time.monotonic(),
-               "data_cpu_s": _cpu() - t["cpu"], "vmhwm_bytes": _vmhwm()}
+    timings = {
+        "data_start": t["data_start"],
+        "data_end": time.monotonic(),
+        "data_cpu_s": _cpu() - t["cpu"],
+        "vmhwm_bytes": _vmhwm(),
+    }
     print("BENCH " + json.dumps(timings), file=sys.stderr)
     entry.exit_now(code)
 
@@ -206,9 +235,15 @@ def direction(nbytes: int, copy_s: float, runs: list[dict]) -> dict:
     """One conversion's medians over the repeats (peak RSS: the highest) against the copy."""
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     med["peak_rss_gb"] = max(r["peak_rss_gb"] for r in runs)
-    return {**med, "runs_seconds": [r["seconds"] for r in runs], "runs_data_s": [r["data_s"] for r in runs],
-            "gb_per_s": nbytes / GB / med["seconds"], "vs_copy": copy_s / med["seconds"],
-            "data_gb_per_s": nbytes / GB / med["data_s"], "data_vs_copy": copy_s / med["data_s"]}
+    return {
+        **med,
+        "runs_seconds": [r["seconds"] for r in runs],
+        "runs_data_s": [r["data_s"] for r in runs],
+        "gb_per_s": nbytes / GB / med["seconds"],
+        "vs_copy": copy_s / med["seconds"],
+        "data_gb_per_s": nbytes / GB / med["data_s"],
+        "data_vs_copy": copy_s / med["data_s"],
+    }
 
 
 TARGET = 0.8  # of the copy's bandwidth
@@ -216,13 +251,19 @@ TARGET = 0.8  # of the copy's bandwidth
 
 def summary(run: dict, rss_bound_gb: float) -> dict:
     return {
-        "end_to_end_vs_copy": round(run["vs_copy"], 2), "data_vs_copy": round(run["data_vs_copy"], 2),
-        "startup_s": round(run["startup_s"], 2), "data_s": round(run["data_s"], 2), "exit_s": round(run["exit_s"], 2),
+        "end_to_end_vs_copy": round(run["vs_copy"], 2),
+        "data_vs_copy": round(run["data_vs_copy"], 2),
+        "startup_s": round(run["startup_s"], 2),
+        "data_s": round(run["data_s"], 2),
+        "exit_s": round(run["exit_s"], 2),
         # 1.0: every core of the machine was busy in this process for the whole data phase
         "data_cpu_busy": round(run["data_cpu_s"] / (os.cpu_count() * run["data_s"]), 2),
         "peak_rss_gb": round(run["peak_rss_gb"], 2),
-        "meets": {"end_to_end": run["vs_copy"] >= TARGET, "data_phase": run["data_vs_copy"] >= TARGET,
-                  "rss": run["peak_rss_gb"] <= rss_bound_gb},
+        "meets": {
+            "end_to_end": run["vs_copy"] >= TARGET,
+            "data_phase": run["data_vs_copy"] >= TARGET,
+            "rss": run["peak_rss_gb"] <= rss_bound_gb,
+        },
     }
 
 
@@ -230,8 +271,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--shard-gb", type=float, default=1.0, help="source shard size")
-    parser.add_argument("--dir", help="work dir (default: a temp dir); must have room for ~3x the model")
-    parser.add_argument("--repeats", type=int, default=3, help="copy/convert rounds; medians are reported")
+    parser.add_argument(
+        "--dir", help="work dir (default: a temp dir); must have room for ~3x the model"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="copy/convert rounds; medians are reported"
+    )
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -262,33 +307,57 @@ def main() -> None:
             shutil.rmtree(stale.pop(0))
             copies.append(copy_baseline(src, copy))
             shutil.rmtree(copy)
-            runs["mcore_to_hf"].append(run_measured(me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)], dist))
+            runs["mcore_to_hf"].append(
+                run_measured(
+                    me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)], dist
+                )
+            )
             stale = [back, dist]
         load.append(os.getloadavg()[0])
-        verify = subprocess.run([sys.executable, "-m", "converters", "verify", str(src), str(back)],
-                                cwd=ROOT, capture_output=True, text=True)
+        verify = subprocess.run(
+            [sys.executable, "-m", "converters", "verify", str(src), str(back)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         largest = max(s.nbytes for s in specs)
         sha256 = _sha256_speed()
         copy_s = statistics.median(c["seconds"] for c in copies)
         report = {
-            "layers": args.layers, "bytes": nbytes, "gb": nbytes / GB, "cpus": os.cpu_count(),
-            "repeats": args.repeats, "load_average_1min": load,
-            "copy": {"seconds": copy_s, "gb_per_s": nbytes / GB / copy_s,
-                     "cpu_s": statistics.median(c["cpu_s"] for c in copies),
-                     "runs_seconds": [c["seconds"] for c in copies]},
+            "layers": args.layers,
+            "bytes": nbytes,
+            "gb": nbytes / GB,
+            "cpus": os.cpu_count(),
+            "repeats": args.repeats,
+            "load_average_1min": load,
+            "copy": {
+                "seconds": copy_s,
+                "gb_per_s": nbytes / GB / copy_s,
+                "cpu_s": statistics.median(c["cpu_s"] for c in copies),
+                "runs_seconds": [c["seconds"] for c in copies],
+            },
             **{verb: direction(nbytes, copy_s, rs) for verb, rs in runs.items()},
             # the manifest hashes every byte once: on its own, one core needs this long
-            "sha256_gb_per_s_one_core": sha256, "sha256_s_one_core": nbytes / GB / sha256,
-            "largest_tensor_gb": largest / GB, "rss_bound_gb": 4 + largest / GB,
-            "round_trip_bit_exact": verify.returncode == 0, "verify": verify.stdout.strip().splitlines()[-1:],
+            "sha256_gb_per_s_one_core": sha256,
+            "sha256_s_one_core": nbytes / GB / sha256,
+            "largest_tensor_gb": largest / GB,
+            "rss_bound_gb": 4 + largest / GB,
+            "round_trip_bit_exact": verify.returncode == 0,
+            "verify": verify.stdout.strip().splitlines()[-1:],
         }
-        report = {"summary": {
-            "gb": round(nbytes / GB, 2), "copy_gb_per_s": round(nbytes / GB / copy_s, 2),
-            "sha256_gb_per_s_one_core": round(sha256, 2), "target_vs_copy": TARGET,
-            # the data phase's ceiling while one thread hashes every byte (2 cores: one spare)
-            "hash_bound_vs_copy": round(sha256 / (nbytes / GB / copy_s), 2),
-            "rss_bound_gb": round(report["rss_bound_gb"], 2),
-            **{verb: summary(report[verb], report["rss_bound_gb"]) for verb in runs}}, **report}
+        report = {
+            "summary": {
+                "gb": round(nbytes / GB, 2),
+                "copy_gb_per_s": round(nbytes / GB / copy_s, 2),
+                "sha256_gb_per_s_one_core": round(sha256, 2),
+                "target_vs_copy": TARGET,
+                # the data phase's ceiling while one thread hashes every byte (2 cores: one spare)
+                "hash_bound_vs_copy": round(sha256 / (nbytes / GB / copy_s), 2),
+                "rss_bound_gb": round(report["rss_bound_gb"], 2),
+                **{verb: summary(report[verb], report["rss_bound_gb"]) for verb in runs},
+            },
+            **report,
+        }
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -58,7 +58,13 @@ def write_sparse(out: Path, layers: int, shard_bytes: int) -> list:
             for t in shard:
                 for offset, n in _marks(t.nbytes):
                     f.seek(start + offset)
-                    f.write((torch.randn(n // 2) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes())
+                    f.write(
+                        (torch.randn(n // 2) * 0.02)
+                        .to(torch.bfloat16)
+                        .view(torch.uint8)
+                        .numpy()
+                        .tobytes()
+                    )
                 start += t.nbytes
             f.truncate(start)
     write_index(out, plan.files, plan.shards)
@@ -93,7 +99,9 @@ def timed_copy(src: Path, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--shard-gb", type=float, default=4.0, help="source shard size (the hub's: ~4 GB)")
+    parser.add_argument(
+        "--shard-gb", type=float, default=4.0, help="source shard size (the hub's: ~4 GB)"
+    )
     parser.add_argument("--dir", help="work dir (default: a temp dir); needs one model's size free")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
@@ -107,24 +115,36 @@ def main() -> None:
         nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         free = shutil.disk_usage(work).free
         if free < 1.05 * nbytes:
-            raise SystemExit(f"{work}: {free / GB:.1f} GB free, the run needs {1.05 * nbytes / GB:.1f} GB: pass --dir on a bigger disk")
+            raise SystemExit(
+                f"{work}: {free / GB:.1f} GB free, the run needs {1.05 * nbytes / GB:.1f} GB: pass --dir on a bigger disk"
+            )
         disk = {"source_gb": disk_gb(src)}
-        log(f"{nbytes / GB:.1f} GB in {len(specs)} tensors ({disk['source_gb']:.2f} GB on disk); copy")
+        log(
+            f"{nbytes / GB:.1f} GB in {len(specs)} tensors ({disk['source_gb']:.2f} GB on disk); copy"
+        )
         copies = [timed_copy(src, work)]
         log(f"copy {copies[-1]['seconds']:.1f} s; hf-to-mcore")
         h2m = bench.run_measured(me + ["hf-to-mcore", str(src), str(dist)], src)
         disk["dist_gb"] = disk_gb(dist)
-        log(f"hf-to-mcore {h2m['seconds']:.1f} s, peak RSS {h2m['peak_rss_gb']:.2f} GB; digging holes")
+        log(
+            f"hf-to-mcore {h2m['seconds']:.1f} s, peak RSS {h2m['peak_rss_gb']:.2f} GB; digging holes"
+        )
         dig_s = dig_holes(dist)
         disk["dist_dug_gb"] = disk_gb(dist)
         copies.append(timed_copy(src, work))
         log(f"copy {copies[-1]['seconds']:.1f} s; mcore-to-hf")
-        m2h = bench.run_measured(me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)], dist)
+        m2h = bench.run_measured(
+            me + ["mcore-to-hf", str(dist), str(back), "--template", str(src)], dist
+        )
         disk["back_gb"] = disk_gb(back)
         log(f"mcore-to-hf {m2h['seconds']:.1f} s, peak RSS {m2h['peak_rss_gb']:.2f} GB; verify")
         start = time.perf_counter()
-        verify = subprocess.run([sys.executable, "-m", "converters", "verify", str(src), str(back)],
-                                cwd=bench.ROOT, capture_output=True, text=True)
+        verify = subprocess.run(
+            [sys.executable, "-m", "converters", "verify", str(src), str(back)],
+            cwd=bench.ROOT,
+            capture_output=True,
+            text=True,
+        )
         verify_s = time.perf_counter() - start
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -132,18 +152,29 @@ def main() -> None:
     largest = max(s.nbytes for s in specs)
     rss_bound = 4 + largest / GB
     copy_s = [c["seconds"] for c in copies]
-    runs = {"hf_to_mcore": bench.direction(nbytes, copy_s[0], [h2m]),
-            "mcore_to_hf": bench.direction(nbytes, copy_s[1], [m2h])}
+    runs = {
+        "hf_to_mcore": bench.direction(nbytes, copy_s[0], [h2m]),
+        "mcore_to_hf": bench.direction(nbytes, copy_s[1], [m2h]),
+    }
     report = {
         "summary": {
-            "layers": args.layers, "gb": round(nbytes / GB, 2), "tensors": len(specs),
-            "machine_ram_gb": round(psutil.virtual_memory().total / GB, 1), "cpus": os.cpu_count(),
-            "copy_gb_per_s": [round(nbytes / GB / s, 2) for s in copy_s], "rss_bound_gb": round(rss_bound, 2),
+            "layers": args.layers,
+            "gb": round(nbytes / GB, 2),
+            "tensors": len(specs),
+            "machine_ram_gb": round(psutil.virtual_memory().total / GB, 1),
+            "cpus": os.cpu_count(),
+            "copy_gb_per_s": [round(nbytes / GB / s, 2) for s in copy_s],
+            "rss_bound_gb": round(rss_bound, 2),
             **{verb: bench.summary(run, rss_bound) for verb, run in runs.items()},
             "round_trip_bit_exact": verify.returncode == 0,
         },
-        "bytes": nbytes, "copy": copies, **runs, "disk_gb": disk, "dig_holes_s": dig_s,
-        "verify_s": verify_s, "verify": (verify.stdout + verify.stderr).strip().splitlines()[-1:],
+        "bytes": nbytes,
+        "copy": copies,
+        **runs,
+        "disk_gb": disk,
+        "dig_holes_s": dig_s,
+        "verify_s": verify_s,
+        "verify": (verify.stdout + verify.stderr).strip().splitlines()[-1:],
     }
     bench.emit(report, args.json)
 

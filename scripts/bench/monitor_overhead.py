@@ -27,13 +27,46 @@ from tqdm import tqdm
 
 PRESETS = {
     # shape of recipes/local/tiny_model.py
-    "tiny": dict(hidden=64, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=24,
-                 moe_ffn=32, vocab=128, seq=64, batch=4),
-    "large": dict(hidden=512, experts=16, top_k=2, layers=4, heads=8, kv_heads=4, head_dim=64,
-                  moe_ffn=512, vocab=4096, seq=512, batch=1),
+    "tiny": dict(
+        hidden=64,
+        experts=8,
+        top_k=2,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=24,
+        moe_ffn=32,
+        vocab=128,
+        seq=64,
+        batch=4,
+    ),
+    "large": dict(
+        hidden=512,
+        experts=16,
+        top_k=2,
+        layers=4,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        moe_ffn=512,
+        vocab=4096,
+        seq=512,
+        batch=1,
+    ),
     # Qwen3-30B-A3B per-layer shape, few layers (for a GPU)
-    "qwen3-layer": dict(hidden=2048, experts=128, top_k=8, layers=4, heads=32, kv_heads=4,
-                        head_dim=128, moe_ffn=768, vocab=151936, seq=4096, batch=1),
+    "qwen3-layer": dict(
+        hidden=2048,
+        experts=128,
+        top_k=8,
+        layers=4,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        moe_ffn=768,
+        vocab=151936,
+        seq=4096,
+        batch=1,
+    ),
 }
 SHAPE_KEYS = tuple(PRESETS["tiny"])
 MODES = ("off", "tap", "on")
@@ -46,13 +79,23 @@ def parse_args(argv=None):
     for key in SHAPE_KEYS:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, help="override the preset")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="default: fp32 on cpu, else bf16")
-    parser.add_argument("--micro-batches", type=int, default=1,
-                        help="forward + backward passes per step (step_end runs once per step)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="forward + backward passes per step (step_end runs once per step)",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of all modes")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default 1 on cpu: "
-                        "multi-thread barriers stall on a shared machine and swamp the ratio)")
-    parser.add_argument("--out", help="JSON path (default: runs/bench/monitor_overhead_<preset>_<device>.json)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default 1 on cpu: "
+        "multi-thread barriers stall on a shared machine and swamp the ratio)",
+    )
+    parser.add_argument(
+        "--out", help="JSON path (default: runs/bench/monitor_overhead_<preset>_<device>.json)"
+    )
     return parser.parse_args(argv)
 
 
@@ -70,11 +113,16 @@ def build(shape: dict, device: str, dtype: torch.dtype):
 
     groups = init_parallel(device)
     config = tiny_config(
-        hidden_size=shape["hidden"], num_experts=shape["experts"],
-        num_experts_per_tok=shape["top_k"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], moe_intermediate_size=shape["moe_ffn"],
-        intermediate_size=shape["moe_ffn"], vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["top_k"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        moe_intermediate_size=shape["moe_ffn"],
+        intermediate_size=shape["moe_ffn"],
+        vocab_size=shape["vocab"],
         max_position_embeddings=max(shape["seq"], 256),
     )
     spec = load_qwen3_moe_spec(config)
@@ -107,8 +155,9 @@ class Modes:
 
         self.model, self.groups, self.mask_BS = model, groups, mask_BS
         self.micro_batches = micro_batches
-        self.monitor = ExpertLoadMonitor(spec.num_layers, spec.num_experts, groups,
-                                         top_k=spec.top_k, per_layer_keys=True)
+        self.monitor = ExpertLoadMonitor(
+            spec.num_layers, spec.num_experts, groups, top_k=spec.top_k, per_layer_keys=True
+        )
         self.tap, self.steps = None, 0
 
     def set(self, mode: str) -> None:
@@ -144,7 +193,7 @@ def measure(modes: Modes, ids_BS, repeats: int, warmup: int, sync) -> dict[str, 
     times = {mode: [] for mode in MODES}
     step_end = []
     for round_ in tqdm(range(warmup + repeats), desc="rounds", unit="round"):
-        order = MODES[round_ % 3:] + MODES[:round_ % 3]  # rotate: no mode always runs first
+        order = MODES[round_ % 3 :] + MODES[: round_ % 3]  # rotate: no mode always runs first
         for mode in order:
             modes.set(mode)
             seconds, end_seconds = modes.run(mode, ids_BS, sync)
@@ -193,25 +242,37 @@ def main(argv=None) -> None:
     device = prepare_device(args.device)
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    dtype = torch.float32 if (args.dtype or ("fp32" if device == "cpu" else "bf16")) == "fp32" \
+    dtype = (
+        torch.float32
+        if (args.dtype or ("fp32" if device == "cpu" else "bf16")) == "fp32"
         else torch.bfloat16
+    )
     shape = shape_of(args)
     spec, groups, model = build(shape, device, dtype)
     ids_BS, mask_BS = make_batch(shape, next(model.parameters()).device)
     sync = (lambda: None) if device == "cpu" else torch.accelerator.synchronize
     modes = Modes(model, groups, spec, mask_BS, args.micro_batches)
     times = measure(modes, ids_BS, args.repeats, args.warmup, sync)
-    result = {"device": device, "dtype": str(dtype), "preset": args.preset, "shape": shape,
-              "micro_batches": args.micro_batches,
-              "threads": torch.get_num_threads(), "repeats": args.repeats, **summarise(times)}
+    result = {
+        "device": device,
+        "dtype": str(dtype),
+        "preset": args.preset,
+        "shape": shape,
+        "micro_batches": args.micro_batches,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        **summarise(times),
+    }
     out = Path(args.out or f"runs/bench/monitor_overhead_{args.preset}_{device}.json")
     write_json(result, out)
     med = result["median_s"]
-    print(f"{args.preset} x{args.micro_batches} micro-batches on {device}: off {med['off'] * 1e3:.2f} ms, tap {med['tap'] * 1e3:.2f} ms, "
-          f"on {med['on'] * 1e3:.2f} ms (step_end {med['step_end'] * 1e3:.2f} ms); "
-          f"on/off = {result['ratio_on_over_off']:.4f} (paired {result['paired_ratio_on_over_off']:.4f},"
-          f" best {result['min_ratio_on_over_off']:.4f}), tap/off = "
-          f"{result['ratio_tap_over_off']:.4f} -> {out}")
+    print(
+        f"{args.preset} x{args.micro_batches} micro-batches on {device}: off {med['off'] * 1e3:.2f} ms, tap {med['tap'] * 1e3:.2f} ms, "
+        f"on {med['on'] * 1e3:.2f} ms (step_end {med['step_end'] * 1e3:.2f} ms); "
+        f"on/off = {result['ratio_on_over_off']:.4f} (paired {result['paired_ratio_on_over_off']:.4f},"
+        f" best {result['min_ratio_on_over_off']:.4f}), tap/off = "
+        f"{result['ratio_tap_over_off']:.4f} -> {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -68,15 +68,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_phases import PHASE_PREFIX, profile_phases  # noqa: E402  (same directory)
 
 QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-    moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-    decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.02,
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    initializer_range=0.02,
 )
 TINY = dict(
-    vocab_size=1000, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
 )
 PRESETS = {  # name: (layers, batch, seq, config overrides)
     "4L": (4, 2, 4096, {}),
@@ -92,8 +112,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 1024**3
 
 
-
 # ---------------------------------------------------------------- shape and FLOPs
+
 
 def model_config(args) -> dict:
     """The HF Qwen3-MoE config dict of the benchmarked shape."""
@@ -116,10 +136,19 @@ def step_flops(spec, batch: int, seq: int) -> dict:
 
 def shape_info(spec, args, dtype: torch.dtype) -> dict:
     return dict(
-        layers=spec.num_layers, batch=args.batch, seq=args.seq, tokens=args.batch * args.seq,
-        hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, experts=spec.num_experts, top_k=spec.top_k,
-        moe_ffn=spec.moe_ffn_hidden_size, vocab=spec.vocab_size, dtype=str(dtype).removeprefix("torch."),
+        layers=spec.num_layers,
+        batch=args.batch,
+        seq=args.seq,
+        tokens=args.batch * args.seq,
+        hidden=spec.hidden_size,
+        heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        experts=spec.num_experts,
+        top_k=spec.top_k,
+        moe_ffn=spec.moe_ffn_hidden_size,
+        vocab=spec.vocab_size,
+        dtype=str(dtype).removeprefix("torch."),
         **step_flops(spec, args.batch, args.seq),
     )
 
@@ -134,14 +163,19 @@ def version_of(dist: str) -> str | None:
 def env_info(device: str) -> dict:
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     return dict(
-        python=platform.python_version(), torch=torch.__version__,
-        transformers=version_of("transformers"), megatron_core=version_of("megatron-core"),
-        device=device, gpu=gpu, cuda=torch.version.cuda if device == "cuda" else None,
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=version_of("transformers"),
+        megatron_core=version_of("megatron-core"),
+        device=device,
+        gpu=gpu,
+        cuda=torch.version.cuda if device == "cuda" else None,
         cpu_threads=torch.get_num_threads(),
     )
 
 
 # ---------------------------------------------------------------- systems
+
 
 def mcore_options(name: str, device: str, dtype: torch.dtype):
     """BuildOptions for `ours` / `mcore-local` (raises TypeError while the fields are missing)."""
@@ -195,7 +229,9 @@ def build_hf(name: str, ctx: dict):
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    built = dict(attn=model.config._attn_implementation, experts=model.config._experts_implementation)
+    built = dict(
+        attn=model.config._attn_implementation, experts=model.config._experts_implementation
+    )
     return model, step, json.dumps(built)
 
 
@@ -223,11 +259,14 @@ def speed(times: list[float], ctx: dict) -> dict:
     tflops = ctx["shape"]["flops_per_step"] / (ms / 1e3) / 1e12
     peak = ctx["peak_tflops"]
     return dict(
-        ms_per_step=round(ms, 3), ms_median=round(statistics.median(times), 3),
-        ms_min=round(min(times), 3), ms_max=round(max(times), 3),
+        ms_per_step=round(ms, 3),
+        ms_median=round(statistics.median(times), 3),
+        ms_min=round(min(times), 3),
+        ms_max=round(max(times), 3),
         ms_std=round(statistics.pstdev(times), 3),
         tokens_per_s=round(ctx["shape"]["tokens"] / (ms / 1e3), 1),
-        model_tflops=float(f"{tflops:.4g}"), mfu=float(f"{tflops / peak:.4g}") if peak else None,
+        model_tflops=float(f"{tflops:.4g}"),
+        mfu=float(f"{tflops / peak:.4g}") if peak else None,
     )
 
 
@@ -241,7 +280,9 @@ def run_system(name: str, ctx: dict, args) -> dict:
         result["weights_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
         torch.cuda.reset_peak_memory_stats()
     result.update(speed(time_steps(step, device, args.warmup, args.iters), ctx))
-    result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3) if device == "cuda" else None
+    result["peak_mem_gib"] = (
+        round(torch.cuda.max_memory_allocated() / GIB, 3) if device == "cuda" else None
+    )
     if args.breakdown and name in MCORE_SYSTEMS:
         result["breakdown"] = profile_phases(model, step, device, synchronize)
     return result
@@ -261,13 +302,18 @@ def free_memory(device: str) -> None:
 
 # ---------------------------------------------------------------- run
 
+
 def compare_to_reference(results: list[dict]) -> None:
     """Add vs_hf_grouped_mm (speedup, peak memory ratio) to each timed result."""
     ref = next((r for r in results if r["system"] == REFERENCE and "ms_per_step" in r), None)
     for r in results:
         if ref is None or "ms_per_step" not in r:
             continue
-        mem = (r["peak_mem_gib"] / ref["peak_mem_gib"]) if ref["peak_mem_gib"] and r["peak_mem_gib"] else None
+        mem = (
+            (r["peak_mem_gib"] / ref["peak_mem_gib"])
+            if ref["peak_mem_gib"] and r["peak_mem_gib"]
+            else None
+        )
         r["vs_hf_grouped_mm"] = dict(
             speedup=round(ref["ms_per_step"] / r["ms_per_step"], 3),
             peak_mem_ratio=round(mem, 3) if mem is not None else None,
@@ -288,21 +334,48 @@ def setup(args, systems: list[str]) -> dict:
             groups = init_parallel(prepare_device(device))
         except Exception as err:
             mcore_error = f"megatron-core setup failed: {type(err).__name__}: {err}"
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype
+        else (torch.bfloat16 if device == "cuda" else torch.float32)
+    )
     config = model_config(args)
     spec = load_qwen3_moe_spec(config)
-    peak = args.peak_tflops if args.peak_tflops else (DEFAULT_PEAK_TFLOPS if device == "cuda" else None)
+    peak = (
+        args.peak_tflops
+        if args.peak_tflops
+        else (DEFAULT_PEAK_TFLOPS if device == "cuda" else None)
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.seq), device=device)
-    return dict(device=device, dtype=dtype, config=config, spec=spec, groups=groups, ids=ids,
-                mcore_error=mcore_error, peak_tflops=peak, shape=shape_info(spec, args, dtype))
+    return dict(
+        device=device,
+        dtype=dtype,
+        config=config,
+        spec=spec,
+        groups=groups,
+        ids=ids,
+        mcore_error=mcore_error,
+        peak_tflops=peak,
+        shape=shape_info(spec, args, dtype),
+    )
 
 
 def document(args, ctx: dict, results: list[dict], complete: bool) -> dict:
-    settings = dict(warmup=args.warmup, iters=args.iters, peak_tflops=ctx["peak_tflops"],
-                    breakdown=args.breakdown, complete=complete)
-    return {"env": env_info(ctx["device"]), "preset": args.preset, "settings": settings,
-            "shape": ctx["shape"], "results": results}
+    settings = dict(
+        warmup=args.warmup,
+        iters=args.iters,
+        peak_tflops=ctx["peak_tflops"],
+        breakdown=args.breakdown,
+        complete=complete,
+    )
+    return {
+        "env": env_info(ctx["device"]),
+        "preset": args.preset,
+        "settings": settings,
+        "shape": ctx["shape"],
+        "results": results,
+    }
 
 
 def write(doc: dict, out: str | None) -> None:
@@ -317,13 +390,21 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--batch", type=int, help="override the preset's batch size")
     p.add_argument("--seq", type=int, help="override the preset's sequence length")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}"
+    )
     p.add_argument("--iters", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--peak-tflops", type=float, help=f"MFU denominator (default {DEFAULT_PEAK_TFLOPS:g} on GPU)")
-    p.add_argument("--breakdown", action="store_true", help="profile one extra step per mcore system")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help=f"MFU denominator (default {DEFAULT_PEAK_TFLOPS:g} on GPU)",
+    )
+    p.add_argument(
+        "--breakdown", action="store_true", help="profile one extra step per mcore system"
+    )
     p.add_argument("--out", help="write the JSON document here (also rewritten after each system)")
     args = p.parse_args(argv)
     _, batch, seq, _ = PRESETS[args.preset]

@@ -33,8 +33,15 @@ MODULE_PHASES = (  # module name suffix -> phase; the first match wins
     (".mlp", "moe_dispatch"),
     (".output_layer", "lm_head_loss"),
 )
-PHASES = ("attention_core", "attention_proj", "router", "experts", "moe_dispatch",
-          "lm_head_loss", "other")
+PHASES = (
+    "attention_core",
+    "attention_proj",
+    "router",
+    "experts",
+    "moe_dispatch",
+    "lm_head_loss",
+    "other",
+)
 
 
 def module_phase(name: str) -> str | None:
@@ -58,6 +65,7 @@ class PhaseRanges:
             scope = torch.profiler.record_function(PHASE_PREFIX + phase)
             scope.__enter__()
             self.open.append(scope)
+
         return enter
 
     def _exit_hook(self, module, args, output):
@@ -91,8 +99,10 @@ def phase_times_us(events, on_gpu: bool) -> dict[str, float]:
     """Own time of every op summed per phase; backward ops take their forward op's phase."""
     from torch.autograd import DeviceType
 
-    ops = sorted((e for e in events if e.device_type == DeviceType.CPU and not e.is_async),
-                 key=lambda e: e.time_range.start)
+    ops = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU and not e.is_async),
+        key=lambda e: e.time_range.start,
+    )
     places = [(op, enclosing(op)) for op in ops]
     seq_phase = {}  # the last forward op seen with a sequence number is the node's creator
     for op, (direction, phase) in places:
@@ -138,7 +148,8 @@ def profile_phases(model, step, device: str, synchronize) -> dict:
     total = sum(totals.values())
     return dict(
         clock="cuda kernel time" if on_gpu else "cpu self time",
-        step_ms=round(step_ms, 3), total_ms=round(total / 1e3, 3),
+        step_ms=round(step_ms, 3),
+        total_ms=round(total / 1e3, 3),
         phases_ms={k: round(v / 1e3, 3) for k, v in totals.items()},
         phases_pct={k: round(100 * v / total, 1) if total else None for k, v in totals.items()},
     )
