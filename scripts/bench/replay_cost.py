@@ -17,8 +17,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -48,18 +46,9 @@ def build(hf_dir: Path, mode: str):
 
 def batch(seqs: int, prompt: int, response: int, engine):
     """Random sequences with the router's own routes (an R2 recording) as `routed_experts`."""
-    from verl.utils import tensordict_utils as tu
+    from engine_batches import random_batch
 
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(seqs):
-        ids = torch.randint(0, 128, (prompt + response,), generator=gen)
-        ones = torch.ones(response, dtype=torch.long)
-        rows.append(dict(prompts=ids[:prompt], responses=ids[prompt:], input_ids=ids,
-                         response_mask=ones, loss_mask=ones))  # fmt: skip
-    data = tu.list_of_dict_to_tensordict(rows)
-    tu.assign_non_tensor(data, use_dynamic_bsz=True, temperature=1.0,
-                         max_token_len_per_gpu=seqs * (prompt + response))  # fmt: skip
+    data = random_batch(seqs, prompt, response, max_tokens=seqs * (prompt + response))
     with engine.eval_mode():
         data["routed_experts"] = engine.infer_batch(data)["model_output"]["routed_experts"]
     return data

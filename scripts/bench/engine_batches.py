@@ -1,0 +1,21 @@
+"""verl-style batches of random sequences for the engine benchmarks (aux-loss and replay cost)."""
+
+import torch
+
+
+def random_batch(seqs: int, prompt: int, response: int, max_tokens: int, vocab: int = 128):
+    """A TensorDict of `seqs` random rows (prompt + response tokens, every response token in
+    the loss), with dynamic batch size at `max_tokens` per micro-batch, as verl's actor sends."""
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(seqs):
+        ids = torch.randint(0, vocab, (prompt + response,), generator=gen)
+        ones = torch.ones(response, dtype=torch.long)
+        rows.append(dict(prompts=ids[:prompt], responses=ids[prompt:], input_ids=ids,
+                         response_mask=ones, loss_mask=ones))  # fmt: skip
+    data = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, temperature=1.0,
+                         max_token_len_per_gpu=max_tokens)  # fmt: skip
+    return data
