@@ -131,10 +131,16 @@ class Resolved:
         ]
 
 
-R3_ROLLOUT = (
-    "vLLM >= 0.22 on CUDA; on Ascend the vllm-ascend release that matches vLLM 0.22 "
-    "(check vllm-ascend's release notes)"
-)
+R3_ROLLOUT = {
+    "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
+    "npu": (
+        "vLLM >= 0.22 with a vllm-ascend built for it; the npu set's vllm 0.11.0 + "
+        "vllm-ascend 0.11.0rc1 (what fits torch 2.7.1) return no routed_experts, so on A2 "
+        "use R2 or disabled until a vllm-ascend for vLLM >= 0.22 fits the image "
+        "(check vllm-ascend's release notes)"
+    ),
+    "cpu": "the CPU rollout returns them",
+}
 
 
 def _override(groups: dict[str, dict], key: str):
@@ -152,7 +158,7 @@ def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
     on = str(_override(groups, key)).lower() == "true"
     if mode == "R3":
-        source = "the CPU rollout returns them" if device == "cpu" else R3_ROLLOUT
+        source = R3_ROLLOUT[device]
         lines.append(f"  R3 needs the rollout's routed_experts: {source}")
         if not on:
             lines.append(f"  warning: set {key}=True, or the first step stops without routes")
