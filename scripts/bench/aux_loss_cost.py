@@ -50,23 +50,9 @@ def sum_loss(model_output, data, dp_group=None):
 
 
 def build(hf_dir: Path, aux_loss: dict, lr: float):
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
+    from engine_batches import build_engine
 
-    import recipes.dapo.engine  # noqa: F401  (registers the backend)
-    from recipes.dapo.config import McoreEpEngineConfig
-
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend="mcore_ep",
-        model_config=HFModelConfig(path=str(hf_dir), load_tokenizer=False),
-        engine_config=McoreEpEngineConfig(aux_loss=aux_loss),
-        optimizer_config=FSDPOptimizerConfig(lr=lr),
-        checkpoint_config=CheckpointConfig(),
-    )
-    engine.initialize()
-    return engine
+    return build_engine(hf_dir, lr, aux_loss=aux_loss)
 
 
 def batch(seqs: int, prompt: int, response: int, max_tokens: int):

@@ -19,3 +19,24 @@ def random_batch(seqs: int, prompt: int, response: int, max_tokens: int, vocab: 
     tu.assign_non_tensor(data, use_dynamic_bsz=True, temperature=1.0,
                          max_token_len_per_gpu=max_tokens)  # fmt: skip
     return data
+
+
+def build_engine(hf_dir, lr: float = 1e-5, **engine_config):
+    """The mcore_ep engine through verl's EngineRegistry (world 1: init_parallel first)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    import recipes.dapo.engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.config import McoreEpEngineConfig
+
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend="mcore_ep",
+        model_config=HFModelConfig(path=str(hf_dir), load_tokenizer=False),
+        engine_config=McoreEpEngineConfig(**engine_config),
+        optimizer_config=FSDPOptimizerConfig(lr=lr),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
