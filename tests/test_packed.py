@@ -277,6 +277,26 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
     assert result["micro_batches"]["packed"] <= result["micro_batches"]["padded"]
 
 
+@pytest.mark.slow
+def test_benchmark_memory_runs_each_engine_and_pass_in_a_child(monkeypatch, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    path = Path(__file__).parents[1] / "scripts" / "bench" / "packed_vs_padded.py"
+    spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--rows", "4", "--response-max", "200", "--max-tokens", "512", "--mem-passes", "1"]
+    result = bench.main([*args, "--memory", "--no-timing", "--out", str(tmp_path / "r.json")])
+    assert "ratio" not in result  # --no-timing
+    for name in ("padded", "packed"):
+        assert all(m > 0 for m in result["peak_mib"][name].values())
+    assert set(result["memory_ratio"]) == {"update", "old_log_prob"}
+    mb = result["per_micro_batch"]
+    assert mb["packed_real"]["max"] <= 512 and mb["padded_slots"]["max"] <= 512
+
+
 def test_packed_log_probs_and_entropy_match_transformers(make_engine, tiny_hf_model):
     from tests.test_verl_engine import hf_log_probs_and_entropy
 

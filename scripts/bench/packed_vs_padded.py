@@ -12,14 +12,28 @@ another, alternating, so both see the same machine state:
 Both engines run our SDPA attention (the only one with a packed path). tokens/s counts real
 tokens only. Prints one JSON line; `ratio` = packed tokens/s / padded tokens/s per pass.
 
+--memory adds peak memory, as scripts/bench/logprob_heads.py measures it: each (engine, pass)
+in its own child process (one engine only, glibc's MALLOC_MMAP_THRESHOLD_ fixed, so freed
+tensors go back to the OS), one warm-up pass, then for each of --mem-passes passes the
+kernel's resident high-water mark is reset (/proc/self/clear_refs 5) and the peak is VmHWM
+minus resident memory just before the pass; the median is reported. The threshold is 64 KiB
+here, not logprob_heads' 1 MiB: this model's [T, 128] fp32 activations are ~1 MiB at
+T ~ 2048, and a threshold there would put the padded engine's (T < 2048) on the heap, where
+freed memory stays resident, and the packed one's (T = 2048) in their own maps. `memory_ratio` = packed peak / padded peak per pass; `per_micro_batch` gives
+the tokens each plan puts in a micro-batch (padded slots for the padded plan, real tokens
+for the packed one), which bound the activations.
+
     .venv/bin/python scripts/bench/packed_vs_padded.py
     .venv/bin/python scripts/bench/packed_vs_padded.py --rows 64 --iters 5 --out packed.json
+    .venv/bin/python scripts/bench/packed_vs_padded.py --memory --no-timing
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--memory", action="store_true", help="peak memory, one child per run")
+    p.add_argument("--no-timing", action="store_true", help="skip tokens/s (with --memory)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the children")
+    p.add_argument("--mem-passes", type=int, default=3, help="measured passes per child")
+    p.add_argument("--mmap-threshold", type=int, default=2**16, help="MALLOC_MMAP_THRESHOLD_")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # engine,pass: one memory measurement
     return p.parse_args(argv)
 
 
@@ -99,11 +119,18 @@ def padding_stats(data, max_tokens: int) -> dict:
     lengths = _lengths(data["input_ids"]).tolist()
     padded = plan_by_tokens(lengths, max_tokens, 1)
     packed = plan_by_real_tokens(lengths, max_tokens, 1)
-    slots = sum(len(p) * _round_up(max(lengths[i] for i in p), 1) for p in padded)
+    slots = [len(p) * _round_up(max(lengths[i] for i in p), 1) for p in padded]
+    real = {n: [sum(lengths[i] for i in p) for p in plan] for n, plan in (("padded", padded), ("packed", packed))}  # fmt: skip
+    per_mb = {
+        "padded_slots": {"max": max(slots), "mean": statistics.mean(slots)},
+        "padded_real": {"max": max(real["padded"]), "mean": statistics.mean(real["padded"])},
+        "packed_real": {"max": max(real["packed"]), "mean": statistics.mean(real["packed"])},
+    }
     return {
         "micro_batches": {"padded": len(padded), "packed": len(packed)},
-        "padded_token_share": 1 - sum(lengths) / slots,
+        "padded_token_share": 1 - sum(lengths) / sum(slots),
         "real_tokens": sum(lengths),
+        "per_micro_batch": per_mb,
     }
 
 
@@ -142,15 +169,94 @@ def passes(engine, data):
     return {"update": update, "old_log_prob": old_log_prob}
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def child(args) -> dict:
+    """One engine, one pass: warm up, reset the high-water mark, measure the next pass."""
+    import gc
+
+    from recipes.local.tiny_model import make_tiny_checkpoint
+    from tests.test_verl_engine import build_engine
+
+    torch.set_num_threads(args.threads)
+    name, which = args.child.split(",")
+    hf_dir = make_tiny_checkpoint(tempfile.mkdtemp(prefix="packed_mem_"), seed=0, **MODEL)
+    data = make_batch(dapo_lengths(args), MODEL["vocab_size"], args.max_tokens, args.seed)
+    engine = build_engine(hf_dir, attention="sdpa", packed=name == "packed")
+    run = passes(engine, data)[which]
+    run()  # lazy state (grads, optimizer, caches) is there before the measured passes
+    peaks = []
+    for _ in range(args.mem_passes):
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current resident memory
+        before = _status_kib("VmRSS")
+        run()
+        peaks.append((_status_kib("VmHWM") - before) / 1024)
+    return {
+        "engine": name, "pass": which, "peak_mib": statistics.median(peaks), "passes_mib": peaks,
+    }  # fmt: skip
+
+
+def measure_memory(args) -> dict:
+    """Peak MiB per (engine, pass), each in its own process, and packed / padded."""
+    env = {
+        **os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold), "OMP_NUM_THREADS": str(args.threads),
+        "VERL_ENGINE_DEVICE": os.environ.get("VERL_ENGINE_DEVICE", "cpu"),
+    }  # fmt: skip
+    shape = ("rows", "prompt_min", "prompt_max", "response_median", "response_sigma")
+    shape += ("response_max", "max_tokens", "seed", "threads", "mem_passes")
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in shape]
+    peaks = {n: {} for n in ("padded", "packed")}
+    for which in ("update", "old_log_prob"):
+        for name in peaks:
+            cmd = [sys.executable, __file__, *argv, "--child", f"{name},{which}"]
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"child {name},{which} failed:\n{done.stderr[-3000:]}")
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+            peaks[name][which] = out["peak_mib"]
+            runs = " ".join(f"{m:.1f}" for m in out["passes_mib"])
+            print(
+                f"peak {name:<6} {which:<12} {out['peak_mib']:8.1f} MiB ({runs})", file=sys.stderr
+            )
+    ratio = {p: peaks["packed"][p] / peaks["padded"][p] for p in ("update", "old_log_prob")}
+    return {"peak_mib": peaks, "memory_ratio": ratio}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+    if args.child:
+        print(json.dumps(child(args)))
+        return {}
+    lengths = dapo_lengths(args)
+    data = make_batch(lengths, MODEL["vocab_size"], args.max_tokens, args.seed)
+    stats = padding_stats(data, args.max_tokens)
+    result = {
+        "lengths": {"rows": args.rows, "tokens": stats["real_tokens"], "longest": max(a + b for a, b in lengths)},
+        **stats,
+        "max_tokens": args.max_tokens,
+    }  # fmt: skip
+    if args.memory:
+        result.update(measure_memory(args))
+    if not args.no_timing:
+        result.update(timing(args, data, stats["real_tokens"]))
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+    return result
+
+
+def timing(args, data, tokens: int) -> dict:
     from recipes.local.tiny_model import make_tiny_checkpoint
     from tests.test_verl_engine import build_engine
 
     hf_dir = make_tiny_checkpoint(tempfile.mkdtemp(prefix="packed_bench_"), seed=0, **MODEL)
-    lengths = dapo_lengths(args)
-    data = make_batch(lengths, MODEL["vocab_size"], args.max_tokens, args.seed)
     engines = {
         name: build_engine(hf_dir, attention="sdpa", packed=name == "packed")
         for name in ("padded", "packed")
@@ -163,23 +269,13 @@ def main(argv=None) -> dict:
         for _ in range(args.iters):  # alternate: both systems see the same machine state
             for name in engines:
                 times[name][p] += timed(runs[name][p], 0, 1)
-    stats = padding_stats(data, args.max_tokens)
-    tokens = stats["real_tokens"]
     tps = {n: {p: tokens / statistics.median(t) for p, t in d.items()} for n, d in times.items()}
-    result = {
-        "lengths": {"rows": args.rows, "tokens": tokens, "longest": max(a + b for a, b in lengths)},
-        **stats,
-        "max_tokens": args.max_tokens,
+    return {
         "tokens_per_s": tps,
         "ratio": {p: tps["packed"][p] / tps["padded"][p] for p in ("update", "old_log_prob")},
         "seconds": times,
         "torch_threads": torch.get_num_threads(),
     }
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return result
 
 
 if __name__ == "__main__":
