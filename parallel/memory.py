@@ -23,6 +23,7 @@ everything back for the update, so they shrink the second column, not the first.
 
 from dataclasses import dataclass
 
+from backend.recompute import recompute_mode
 from parallel.activations import (
     ACCELERATOR_KERNELS,
     Kernels,
@@ -44,7 +45,8 @@ RUNTIME_GIB = 2.0
 class MemoryOptions:
     device_memory_gib: float | None  # None: report the breakdown without a fit verdict
     micro_batch_tokens: int = 8192  # tokens of one micro-batch of one data-parallel replica
-    recompute: bool = False  # full recompute, one layer per checkpoint
+    # "none" | "selective" | "full" (backend.recompute; True / False: full / none)
+    recompute: str | bool = "none"
     offload_params: bool = False  # verl param_offload
     offload_optimizer: bool = False  # verl optimizer_offload
     kernels: Kernels = ACCELERATOR_KERNELS
@@ -57,6 +59,7 @@ class MemoryOptions:
     log_prob_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         if not self.ep_skew >= 1.0:  # also rejects NaN
             raise ValueError(f"ep_skew={self.ep_skew} must be >= 1 (busiest EP rank over the mean)")
 
@@ -180,7 +183,7 @@ def stage_rows(
     buffers = dispatch_buffer_bytes(
         fit.spec, plan, options.micro_batch_tokens, options.activation_bytes, ep_skew=skew
     )
-    recompute = "full recompute" if options.recompute else "no recompute"
+    recompute = "no recompute" if options.recompute == "none" else f"{options.recompute} recompute"
     runtime = RUNTIME_GIB * GIB
     return (
         _offloadable("params (bf16)", 2 * params.total, options.offload_params),
