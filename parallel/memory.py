@@ -255,3 +255,45 @@ def log_prob_pass_line(p: LogProbPass) -> str:
         f"({p.ratio:.2f}x); peak {(p.resident + p.full_head) / GIB:.2f} -> "
         f"{(p.resident + p.lean_head) / GIB:.2f} GiB"
     )
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """The least recompute whose update peak fits, with what each lighter one needed."""
+
+    mode: str
+    estimate: MemoryEstimate
+    tried: tuple[tuple[str, float | None], ...]  # (mode, utilization) in the order tried
+
+    def line(self) -> str:
+        """e.g. 'recompute: selective (auto, the least that fits 90%: none 98%, selective 86%,
+        margin 2.6 GiB)'."""
+        uses = ", ".join(f"{m} {u:.0%}" if u is not None else m for m, u in self.tried)
+        est = self.estimate
+        if est.utilization is None:
+            return f"recompute: {self.mode} (auto; no device memory given, so no verdict)"
+        if not est.fits:
+            return (
+                f"recompute: {self.mode} (auto: nothing fits {HEADROOM:.0%}: {uses}; "
+                "full keeps the least)"
+            )
+        margin = (HEADROOM * est.device_memory_gib * GIB - est.update_bytes) / GIB
+        return (
+            f"recompute: {self.mode} (auto, the least that fits {HEADROOM:.0%}: {uses}; "
+            f"margin {margin:.1f} GiB)"
+        )
+
+
+def least_recompute(fit: ModelFit, options: MemoryOptions) -> RecomputeChoice:
+    """none if it fits, else selective, else full (full also when nothing fits)."""
+    from dataclasses import replace
+
+    from backend.recompute import RECOMPUTE_CHOICES
+
+    tried = []
+    for mode in RECOMPUTE_CHOICES:
+        estimate = estimate_memory(fit, replace(options, recompute=mode))
+        tried.append((mode, estimate.utilization))
+        if estimate.fits:
+            break
+    return RecomputeChoice(mode, estimate, tuple(tried))

@@ -15,7 +15,8 @@ from parallel.activations import (
     routed_tokens,
     stage_activation_bytes,
 )
-from parallel.memory import MemoryOptions, estimate_memory
+from parallel.cli import main
+from parallel.memory import MemoryOptions, estimate_memory, least_recompute
 from parallel.models import load_spec
 from parallel.plan import ParallelPlan, check_against_model
 
@@ -103,3 +104,44 @@ def test_memory_options_take_the_choice():
     assert MemoryOptions(None, recompute=True).recompute == "full"
     with pytest.raises(ValueError):
         MemoryOptions(None, recompute="some")
+
+
+@pytest.mark.parametrize(
+    "tokens, mode, tried",
+    [(8192, "none", ["none"]), (9216, "selective", ["none", "selective"]), (16384, "full", None)],
+)
+def test_least_recompute_that_fits(tokens, mode, tried):
+    options = MemoryOptions(64.0, tokens, ep_skew=2.0)  # A2, the shipped plan's default skew
+    choice = least_recompute(FIT, options)
+    assert choice.mode == mode and choice.estimate.fits
+    assert [m for m, _ in choice.tried] == (tried or ["none", "selective", "full"])
+    assert all(use > 0.9 for _, use in choice.tried[:-1])  # every lighter one was over
+    assert (
+        choice.estimate.update_bytes
+        == estimate_memory(
+            FIT, MemoryOptions(64.0, tokens, recompute=mode, ep_skew=2.0)
+        ).update_bytes
+    )
+    assert choice.line().startswith(f"recompute: {mode} (auto, the least that fits 90%")
+
+
+def test_nothing_fits_gives_full():
+    choice = least_recompute(FIT, MemoryOptions(64.0, 65536 * 4, ep_skew=2.0))
+    assert choice.mode == "full" and not choice.estimate.fits
+    assert "nothing fits" in choice.line()
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        ([], "recompute: none (auto, the least that fits 90%: none 87%; margin 2.0 GiB)"),
+        (["--micro-batch-tokens", "9216"], "recompute: selective (auto, the least that fits"),
+        (["--micro-batch-tokens", "16384"], "recompute: full (auto, the least that fits 90%"),
+        (["--recompute"], "recompute: full (--recompute full)"),
+        (["--recompute", "selective"], "recompute: selective (--recompute selective)"),
+    ],
+)
+def test_dry_run_prints_the_choice(argv, line, capsys):
+    assert main(["--tp", "4", "--ep", "8", "--nodes", "4", "--device", "npu", *argv]) == 0
+    out = capsys.readouterr().out
+    assert any(printed.startswith(line) for printed in out.splitlines()), out
