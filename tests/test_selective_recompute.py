@@ -61,3 +61,12 @@ def test_recompute_choices_and_legacy_bools(world1, tiny_hf_dir):
     full = transformer_config(spec, world1, BuildOptions(recompute=True))
     assert (full.recompute_granularity, full.recompute_method) == ("full", "uniform")
     assert transformer_config(spec, world1, BuildOptions()).recompute_granularity is None
+
+
+def test_engine_config_takes_the_choice():
+    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+
+    for value in ("none", "selective", "full", True, False):
+        assert McoreEpEngineConfig(recompute=value).recompute == value
+    with pytest.raises(EngineConfigError, match="recompute='core_attn'"):
+        McoreEpEngineConfig(recompute="core_attn")
