@@ -40,6 +40,7 @@ class GroupedExperts(MegatronModule):
         *,
         groups: ProcessGroups,
         gemm: str = "auto",
+        recompute_act: bool = False,
     ):
         super().__init__(config=config)
         _check_config(config)
@@ -50,6 +51,9 @@ class GroupedExperts(MegatronModule):
                 f"expert tensor parallel size {etp}: choose etp dividing it"
             )
         self.num_local_experts, self.groups, self.gemm = num_local_experts, groups, gemm
+        # selective recompute's "moe_act" (backend.recompute): the SwiGLU output is dropped
+        # after fc2 and recomputed from fc1's output in backward, as megatron's TEGroupedMLP
+        self.recompute_act = recompute_act
         ffn, hidden = config.moe_ffn_hidden_size // etp, config.hidden_size
         # no device under use_cpu_initialization, so a meta-device build stays on meta
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -86,10 +90,19 @@ class GroupedExperts(MegatronModule):
     ):
         """Rows sorted by local expert -> (outputs [T, H] weighted by the router probs, no bias)."""
         fc1_TN = grouped_linear(hidden_TH, self.weight1, tokens_per_expert, self.gemm)
-        act_TF = _weighted_swiglu(fc1_TN, probs_T.unsqueeze(-1), self.config.bias_activation_fusion)
-        return grouped_linear(
-            act_TF.to(hidden_TH.dtype), self.weight2, tokens_per_expert, self.gemm
-        ), None
+        fused, dtype = self.config.bias_activation_fusion, hidden_TH.dtype
+
+        def act(fc1_TN, probs_T1):
+            return _weighted_swiglu(fc1_TN, probs_T1, fused).to(dtype)
+
+        if not (self.recompute_act and torch.is_grad_enabled()):
+            act_TF = act(fc1_TN, probs_T.unsqueeze(-1))
+            return grouped_linear(act_TF, self.weight2, tokens_per_expert, self.gemm), None
+        checkpoint = _checkpoint_without_output()
+        act_TF = checkpoint.checkpoint(act, fc1_TN, probs_T.unsqueeze(-1))
+        out_TH = grouped_linear(act_TF, self.weight2, tokens_per_expert, self.gemm)
+        checkpoint.discard_output_and_register_recompute(out_TH)
+        return out_TH, None
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -141,6 +154,19 @@ class GroupedExperts(MegatronModule):
             view = stacked[i]
             view.tensor_model_parallel, view.partition_dim = True, tp_dim
             yield f"{prefix}local_experts.{i}.{linear}.weight", view, value[i]
+
+
+def _checkpoint_without_output():
+    """megatron-core's CheckpointWithoutOutput, fp8 off on every version: 0.16's takes
+    `fp8` and turns it on for anything but None (its callers pass config.fp8, None unless
+    fp8 training); 0.12.1's takes no argument."""
+    import inspect
+
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
+
+    if "fp8" in inspect.signature(CheckpointWithoutOutput).parameters:
+        return CheckpointWithoutOutput(fp8=None)
+    return CheckpointWithoutOutput()
 
 
 def _check_config(config) -> None:

@@ -15,6 +15,7 @@ from backend.compat import check_plan_supported
 from backend.device import has_transformer_engine
 from backend.distributed import ProcessGroups
 from backend.hf_config import Qwen3MoeSpec
+from backend.recompute import MEGATRON_SELECTIVE_MODULES, recompute_mode
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,14 @@ class BuildOptions:
     experts: str = "auto"
     attention: str = "auto"
     grouped_gemm: str = "auto"  # backend.grouped_gemm kernel: auto | grouped_mm | npu | loop
-    recompute: bool = False
+    # "none" | "selective" | "full" (backend.recompute); True / False mean "full" / "none"
+    recompute: str | bool = "none"
     init_method_std: float = 0.02
     # False skips random init (weights are loaded anyway; 80% of a meta build's time)
     init_weights: bool = True
+
+    def resolved_recompute(self) -> str:
+        return recompute_mode(self.recompute)
 
     def resolved_spec(self) -> str:
         if self.spec == "auto":
@@ -68,9 +73,16 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
     from megatron.core.transformer import TransformerConfig
 
     tp = groups.size("tp")
-    recompute = dict(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    recompute = {
+        "none": {},
+        "full": dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        ),
+        # moe_act: GroupedExperts recomputes its SwiGLU itself (backend.recompute)
+        "selective": dict(
+            recompute_granularity="selective", recompute_modules=list(MEGATRON_SELECTIVE_MODULES)
+        ),
+    }[opts.resolved_recompute()]
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -117,7 +129,7 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **(recompute if opts.recompute else {}),
+        **recompute,
     )
 
 
@@ -148,7 +160,12 @@ def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
         layer = replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
     if opts.resolved_experts() == "grouped":
         experts = ModuleSpec(
-            module=GroupedExperts, params={"groups": groups, "gemm": opts.grouped_gemm}
+            module=GroupedExperts,
+            params={
+                "groups": groups,
+                "gemm": opts.grouped_gemm,
+                "recompute_act": opts.resolved_recompute() == "selective",
+            },
         )
         moe = replace(layer.mlp.submodules, experts=experts)
         layer = replace(layer, mlp=replace(layer.mlp, submodules=moe))

@@ -33,6 +33,22 @@ Saved for backward by one layer, per token (values of b bytes unless noted):
     the prob (2f/etp).
 With full recompute (megatron's "full"/"uniform", one layer per checkpoint) a layer keeps
 only its input, h on T/(tp*cp) tokens, and one layer at a time is re-run in backward.
+Selective recompute (backend.recompute: megatron's "core_attn" and the experts' "moe_act")
+keeps every layer's tensors above except what those two re-run in backward:
+  - core attention keeps only its inputs q, k, v (counted above: rotated q and k, and v in the
+    QKV output) and its output is kept by the output projection (counted), so it drops
+    flash / fused attention: the fp32 log-sum-exp, heads * 4 B per token (little: flash never
+    stores the scores);
+    unfused attention: the repeated K and V and the softmax probabilities,
+    (2q - kv) + heads * seq_len values per token;
+  - moe_act keeps the SwiGLU's input (the fc1 output, 2f/etp) and the router prob and drops
+    its output, the fc2 input f/etp, and whatever an unfused SwiGLU keeps inside
+    (unfused_swiglu_values * f/etp), per routed token; only where the experts do it
+    (Kernels.moe_act_recompute: ours; not megatron-core's SequentialMLP nor the TE spec's,
+    which megatron refuses moe_act without moe_grouped_gemm).
+So A' = A - a and X' = X - x per layer, with a and x the dropped bytes above, and
+    selective:      layers * (A' + s*X') + s*D
+the same shape as no recompute: every layer's expert side still scales with s.
 
 Routing skew. s = tokens received by the busiest EP rank / the mean over the EP group
 (monitor metric `ep_max_over_mean`; 1 <= s <= ep). The sending side of dispatch is the same
@@ -46,6 +62,7 @@ receiving rank scales with s:
 The attention side, the router state and the recompute checkpoints (layer inputs, on the
 attention side) do not scale. So at `layers` layers in flight:
     no recompute:   layers * (A + s*X) + s*D
+    selective:      layers * (A' + s*X') + s*D   (A' < A, X' < X: above)
     full recompute: layers * C + (A + s*X) + s*D
 with A the attention side, X the expert side, D the buffers and C the checkpoint of one
 layer: recompute leaves one layer's expert activations exposed to skew instead of all of
@@ -61,6 +78,7 @@ plus one), L/(pp*vpp) layers each.
 from dataclasses import dataclass
 
 from backend.hf_config import Qwen3MoeSpec
+from backend.recompute import recompute_mode
 from parallel.plan import ModelFit, ParallelPlan
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -73,6 +91,9 @@ class Kernels:
     fused_norm_rope: bool = False  # TE's fused RMSNorm and RoPE: no normalized or split copies
     unfused_swiglu_values: int = 3  # f-sized tensors an unfused SwiGLU keeps (megatron's 3, ours 2)
     dispatcher: str = "alltoall"  # megatron's token dispatcher: where the permutation state lives
+    # the experts re-run their SwiGLU under selective recompute (ours; not megatron's
+    # SequentialMLP, nor TE's grouped MLP, which megatron gives moe_act only with grouped GEMM)
+    moe_act_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -84,16 +105,18 @@ class Kernels:
 ACCELERATOR_KERNELS = Kernels()
 # megatron-core's local spec on CPU (the reference modules), and our modules on CPU; the CPU
 # build uses the allgather dispatcher (alltoall creates CUDA streams)
-LOCAL_SPEC_KERNELS = Kernels(flash_attention=False, fused_swiglu=False, dispatcher="allgather")
+LOCAL_SPEC_KERNELS = Kernels(
+    flash_attention=False, fused_swiglu=False, dispatcher="allgather", moe_act_recompute=False
+)
 OURS_ON_CPU_KERNELS = Kernels(
     flash_attention=True, fused_swiglu=False, unfused_swiglu_values=2, dispatcher="allgather"
 )
-TE_KERNELS = Kernels(fused_norm_rope=True)
+TE_KERNELS = Kernels(fused_norm_rope=True, moe_act_recompute=False)
 PERMUTATION_INDEX_BYTES = 8  # int64 index per routed token
 
 
 def attention_side_bytes_per_token(
-    spec: Qwen3MoeSpec, b: int, kernels: Kernels, seq_len: int
+    spec: Qwen3MoeSpec, b: int, kernels: Kernels, seq_len: int, selective: bool = False
 ) -> float:
     h, hd, heads = spec.hidden_size, spec.head_dim, spec.num_heads
     q, kv = heads * hd, spec.num_kv_heads * hd
@@ -101,9 +124,10 @@ def attention_side_bytes_per_token(
     fp32_bytes = (2 + heads + spec.num_kv_heads) * 4
     if not kernels.fused_norm_rope:
         values += (2 * h + q + kv) + q + 4 * hd
-    if kernels.flash_attention:
+    # selective recompute re-runs core attention: only its inputs (counted) stay
+    if kernels.flash_attention and not selective:
         fp32_bytes += heads * 4
-    else:
+    elif not kernels.flash_attention and not selective:
         values += (2 * q - kv) + heads * seq_len
     router_bytes = spec.num_experts * 5 + spec.top_k * 12
     if kernels.dispatcher == "alltoall":  # the sender keeps the indices to un-permute
@@ -112,14 +136,14 @@ def attention_side_bytes_per_token(
 
 
 def expert_side_bytes_per_routed_token(
-    spec: Qwen3MoeSpec, etp: int, b: int, kernels: Kernels
+    spec: Qwen3MoeSpec, etp: int, b: int, kernels: Kernels, selective: bool = False
 ) -> float:
     f = spec.moe_ffn_hidden_size / etp
-    values = (
-        spec.hidden_size
-        + 3 * f
-        + (0 if kernels.fused_swiglu else kernels.unfused_swiglu_values * f)
-    )
+    inside = 0 if kernels.fused_swiglu else kernels.unfused_swiglu_values * f
+    if selective and kernels.moe_act_recompute:  # moe_act: SwiGLU output (fc2 input) and inside
+        values = spec.hidden_size + 2 * f
+    else:
+        values = spec.hidden_size + 3 * f + inside
     permutation = PERMUTATION_INDEX_BYTES if kernels.dispatcher == "allgather" else 0
     return values * b + 4 + permutation
 
@@ -137,18 +161,20 @@ def layer_activation_bytes(
     kernels: Kernels = ACCELERATOR_KERNELS,
     seq_len: int | None = None,
     ep_skew: float = 1.0,
+    selective: bool = False,
 ) -> float:
     """Bytes one decoder layer saves for backward on one device, for a micro-batch of `tokens`.
 
     ep_skew: this device's received tokens over the EP mean (the busiest rank's skew s; any
     load factor >= 0 works, e.g. 0 for a rank that receives nothing). seq_len matters only
-    for unfused attention (default: one sequence of `tokens`).
+    for unfused attention (default: one sequence of `tokens`). selective: what is left under
+    selective recompute (module docstring).
     """
     local_tokens = tokens / (plan.tp * plan.cp)
     seq = seq_len or tokens
-    return local_tokens * attention_side_bytes_per_token(spec, b, kernels, seq) + routed_tokens(
-        spec, plan, tokens, ep_skew
-    ) * expert_side_bytes_per_routed_token(spec, plan.etp, b, kernels)
+    attention = attention_side_bytes_per_token(spec, b, kernels, seq, selective)
+    expert = expert_side_bytes_per_routed_token(spec, plan.etp, b, kernels, selective)
+    return local_tokens * attention + routed_tokens(spec, plan, tokens, ep_skew) * expert
 
 
 def dispatch_buffer_bytes(
@@ -177,14 +203,19 @@ def stage_activation_bytes(
     fit: ModelFit,
     stage: int,
     tokens: int,
-    recompute: bool,
+    recompute: str | bool,
     b: int = 2,
     kernels: Kernels = ACCELERATOR_KERNELS,
     ep_skew: float = 1.0,
 ) -> float:
-    """Decoder activations saved by one device of `stage` at its peak (buffers excluded)."""
-    layer = layer_activation_bytes(fit.spec, fit.plan, tokens, b, kernels, ep_skew=ep_skew)
+    """Decoder activations saved by one device of `stage` at its peak (buffers excluded).
+
+    recompute: "none" | "selective" | "full" (or the bool: True = full)."""
+    mode = recompute_mode(recompute)
+    layer = layer_activation_bytes(
+        fit.spec, fit.plan, tokens, b, kernels, ep_skew=ep_skew, selective=mode == "selective"
+    )
     layers = layers_in_flight(fit.plan, fit.stage_layers, stage)
-    if not recompute:
+    if mode != "full":
         return layers * layer
     return layers * checkpoint_bytes(fit.spec, fit.plan, tokens, b) + layer

@@ -56,24 +56,29 @@ def expert_warnings(fit: ModelFit, micro_batch_tokens: int) -> list[str]:
     ]
 
 
-def memory_warnings(estimate: MemoryEstimate) -> list[str]:
+def memory_warnings(estimate: MemoryEstimate, recompute: str = "none") -> list[str]:
     use = estimate.utilization
     if use is None or use <= HEADROOM:
         return []
+    more = {"none": "--recompute selective or full, ", "selective": "--recompute full, "}
     return [
         f"update peak {use:.0%} of {estimate.device_memory_gib:g} GiB is above "
-        f"{HEADROOM:.0%}: enable --recompute, lower --micro-batch-tokens or raise tp/ep/pp"
+        f"{HEADROOM:.0%}: {more.get(recompute, '')}lower --micro-batch-tokens or raise tp/ep/pp"
     ]
 
 
 def plan_warnings(
-    fit: ModelFit, layout: RankLayout, estimate: MemoryEstimate, micro_batch_tokens: int
+    fit: ModelFit,
+    layout: RankLayout,
+    estimate: MemoryEstimate,
+    micro_batch_tokens: int,
+    recompute: str = "none",
 ) -> list[str]:
     """Cross-node groups, small expert GEMMs and memory pressure, one line each."""
     return (
         cross_node_warnings(layout)
         + expert_warnings(fit, micro_batch_tokens)
-        + memory_warnings(estimate)
+        + memory_warnings(estimate, recompute)
     )
 
 

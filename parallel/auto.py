@@ -12,7 +12,7 @@ from itertools import product
 
 from backend.hf_config import Qwen3MoeSpec
 from parallel.layout import RankLayout
-from parallel.memory import MemoryEstimate, MemoryOptions, estimate_memory
+from parallel.memory import MemoryEstimate, MemoryOptions, estimate_memory, least_recompute
 from parallel.plan import ModelFit, ParallelPlan, PlanError, check_against_model, divisors
 
 
@@ -84,12 +84,19 @@ def rank_plans(
     devices_per_node: int,
     options: MemoryOptions,
     fixed: dict[str, int | None] | None = None,
+    auto_recompute: bool = False,
 ) -> list[Candidate]:
-    """Every legal plan, best first."""
+    """Every legal plan, best first; auto_recompute: each with the least recompute that fits
+    (parallel.memory.least_recompute) instead of options.recompute."""
     candidates = []
     for plan in candidate_plans(spec, nodes, devices_per_node, fixed):
         fit = check_against_model(plan, spec)
-        candidates.append(Candidate(fit, RankLayout(plan), estimate_memory(fit, options)))
+        memory = (
+            least_recompute(fit, options).estimate
+            if auto_recompute
+            else estimate_memory(fit, options)
+        )
+        candidates.append(Candidate(fit, RankLayout(plan), memory))
     if not candidates:
         raise PlanError(
             f"no legal plan for {nodes}x{devices_per_node} devices with the "

@@ -6,10 +6,12 @@ Prints the plan, the rank layout, the per-device memory, notes and warnings. Exi
 """
 
 import argparse
+from dataclasses import replace
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.hf_config import ConfigError
 from backend.monitor.report import ReportError
+from backend.recompute import RECOMPUTE_CHOICES
 from parallel.advice import expert_notes, listed, plan_warnings
 from parallel.auto import Candidate, rank_plans
 from parallel.layout import RankLayout
@@ -19,6 +21,7 @@ from parallel.memory import (
     MemoryOptions,
     estimate_memory,
     format_memory,
+    least_recompute,
 )
 from parallel.models import DEFAULT_MODEL_NAME, load_spec
 from parallel.plan import PlanError, plan_for_model
@@ -71,7 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=8192,
         help="tokens in one micro-batch of one data-parallel replica",
     )
-    p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="auto",
+        choices=("auto", *RECOMPUTE_CHOICES),
+        help="activation recompute: none, selective (core attention and the experts' SwiGLU), "
+        "full (one layer per checkpoint); auto (default): the least that fits. "
+        "--recompute alone is full",
+    )
     p.add_argument(
         "--offload-params",
         action="store_true",
@@ -121,7 +133,7 @@ def _memory_options(args: argparse.Namespace, skew: SkewAssumption) -> MemoryOpt
         ep_skew=skew.value,
         device_memory_gib=memory,
         micro_batch_tokens=args.micro_batch_tokens,
-        recompute=args.recompute,
+        recompute="none" if args.recompute == "auto" else args.recompute,
         offload_params=args.offload_params,
         offload_optimizer=args.offload_optimizer,
     )
@@ -146,7 +158,9 @@ def _given_fit(args: argparse.Namespace, spec):
 
 def _auto_pick(args, spec, options) -> Candidate:
     fixed = {d: getattr(args, d) for d in DIMS}
-    ranked = rank_plans(spec, args.nodes, args.devices_per_node, options, fixed)
+    ranked = rank_plans(
+        spec, args.nodes, args.devices_per_node, options, fixed, args.recompute == "auto"
+    )
     print(
         f"auto: {len(ranked)} legal plans; best {min(args.top, len(ranked))} "
         "(fits, inter-node tp/ep/etp/cp spans, pp, tp*cp, peak):"
@@ -173,13 +187,20 @@ def run(args: argparse.Namespace) -> int:
         fit = _given_fit(args, spec)
         layout = RankLayout(fit.plan)
         memory = estimate_memory(fit, options)
+    if args.recompute == "auto":
+        choice = least_recompute(fit, options)
+        memory, options = choice.estimate, replace(options, recompute=choice.mode)
+        recompute_line = choice.line()
+    else:
+        recompute_line = f"recompute: {options.recompute} (--recompute {options.recompute})"
     print(model_summary(args.model or DEFAULT_MODEL_NAME, fit))
     print(plan_summary(fit, _device_label(args, options)))
     print(layout_summary(layout))
     print(format_memory(memory, fit.plan.pp))
+    print(recompute_line)
     print("\n".join(skew_lines(fit, options, skew)))
     print("\n".join(listed("notes", expert_notes(fit, options.micro_batch_tokens))))
-    warnings = plan_warnings(fit, layout, memory, options.micro_batch_tokens)
+    warnings = plan_warnings(fit, layout, memory, options.micro_batch_tokens, options.recompute)
     print("\n".join(listed("warnings", warnings)))
     return 0 if memory.fits else DOES_NOT_FIT
 

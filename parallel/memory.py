@@ -23,6 +23,7 @@ everything back for the update, so they shrink the second column, not the first.
 
 from dataclasses import dataclass
 
+from backend.recompute import recompute_mode
 from parallel.activations import (
     ACCELERATOR_KERNELS,
     Kernels,
@@ -44,7 +45,8 @@ RUNTIME_GIB = 2.0
 class MemoryOptions:
     device_memory_gib: float | None  # None: report the breakdown without a fit verdict
     micro_batch_tokens: int = 8192  # tokens of one micro-batch of one data-parallel replica
-    recompute: bool = False  # full recompute, one layer per checkpoint
+    # "none" | "selective" | "full" (backend.recompute; True / False: full / none)
+    recompute: str | bool = "none"
     offload_params: bool = False  # verl param_offload
     offload_optimizer: bool = False  # verl optimizer_offload
     kernels: Kernels = ACCELERATOR_KERNELS
@@ -57,6 +59,7 @@ class MemoryOptions:
     log_prob_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         if not self.ep_skew >= 1.0:  # also rejects NaN
             raise ValueError(f"ep_skew={self.ep_skew} must be >= 1 (busiest EP rank over the mean)")
 
@@ -180,7 +183,7 @@ def stage_rows(
     buffers = dispatch_buffer_bytes(
         fit.spec, plan, options.micro_batch_tokens, options.activation_bytes, ep_skew=skew
     )
-    recompute = "full recompute" if options.recompute else "no recompute"
+    recompute = "no recompute" if options.recompute == "none" else f"{options.recompute} recompute"
     runtime = RUNTIME_GIB * GIB
     return (
         _offloadable("params (bf16)", 2 * params.total, options.offload_params),
@@ -252,3 +255,45 @@ def log_prob_pass_line(p: LogProbPass) -> str:
         f"({p.ratio:.2f}x); peak {(p.resident + p.full_head) / GIB:.2f} -> "
         f"{(p.resident + p.lean_head) / GIB:.2f} GiB"
     )
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """The least recompute whose update peak fits, with what each lighter one needed."""
+
+    mode: str
+    estimate: MemoryEstimate
+    tried: tuple[tuple[str, float | None], ...]  # (mode, utilization) in the order tried
+
+    def line(self) -> str:
+        """e.g. 'recompute: selective (auto, the least that fits 90%: none 98%, selective 86%,
+        margin 2.6 GiB)'."""
+        uses = ", ".join(f"{m} {u:.0%}" if u is not None else m for m, u in self.tried)
+        est = self.estimate
+        if est.utilization is None:
+            return f"recompute: {self.mode} (auto; no device memory given, so no verdict)"
+        if not est.fits:
+            return (
+                f"recompute: {self.mode} (auto: nothing fits {HEADROOM:.0%}: {uses}; "
+                "full keeps the least)"
+            )
+        margin = (HEADROOM * est.device_memory_gib * GIB - est.update_bytes) / GIB
+        return (
+            f"recompute: {self.mode} (auto, the least that fits {HEADROOM:.0%}: {uses}; "
+            f"margin {margin:.1f} GiB)"
+        )
+
+
+def least_recompute(fit: ModelFit, options: MemoryOptions) -> RecomputeChoice:
+    """none if it fits, else selective, else full (full also when nothing fits)."""
+    from dataclasses import replace
+
+    from backend.recompute import RECOMPUTE_CHOICES
+
+    tried = []
+    for mode in RECOMPUTE_CHOICES:
+        estimate = estimate_memory(fit, replace(options, recompute=mode))
+        tried.append((mode, estimate.utilization))
+        if estimate.fits:
+            break
+    return RecomputeChoice(mode, estimate, tuple(tried))

@@ -116,7 +116,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.tensor_model_parallel_size": "4",
         f"{engine}.expert_model_parallel_size": "8",
         f"{engine}.expert_tensor_parallel_size": "1",
-        f"{engine}.recompute": "true",
+        f"{engine}.recompute": "full",  # recipes.dapo.fit: the least recompute that fits
         f"{engine}.param_offload": "true",
         f"{engine}.optimizer_offload": "true",
         f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001,global_counts:old_log_prob}",
@@ -379,6 +379,7 @@ def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(
     # full recompute leaves one layer's expert activations exposed to routing skew
     assert "2.00x EP skew assumed (default" in out
     assert "fits even with every token on one EP rank (8x)" in out
+    assert "recompute: full (the least whose update fits" in out
 
 
 def test_history_merges_launches_and_skips_a_torn_line(tmp_path):

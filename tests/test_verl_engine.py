@@ -176,8 +176,8 @@ def _engine_grads(engine, data, loss_fn):
 
 @pytest.mark.parametrize(
     "max_tokens, cluster_settings",
-    [(16, False), (64, False), (16, True), (16, "fast")],
-    ids=["mb16", "mb64", "cluster", "fast-modules"],
+    [(16, False), (64, False), (16, True), (16, "fast"), (16, "selective")],
+    ids=["mb16", "mb64", "cluster", "fast-modules", "fast-selective"],
 )
 def test_dapo_loss_and_gradients_match_transformers(
     make_engine, tiny_hf_model, max_tokens, cluster_settings
@@ -191,6 +191,8 @@ def test_dapo_loss_and_gradients_match_transformers(
         True: dict(recompute=True, aux_loss=observed),
         False: {},
         "fast": dict(fast=True, recompute=True),  # our modules, as on accelerators
+        # selective recompute: core attention and our experts' SwiGLU re-run in backward
+        "selective": dict(fast=True, recompute="selective"),
     }[cluster_settings]
     engine, data = make_engine(**extra), make_batch(max_tokens=max_tokens)
     _on_policy(engine, data)

@@ -12,6 +12,7 @@ from typing import Any
 from verl.workers.config import ActorConfig, FSDPActorConfig
 from verl.workers.config.engine import EngineConfig
 
+from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
 from recipes.dapo import BACKEND
 
@@ -24,8 +25,9 @@ class EngineConfigError(ValueError):
 class McoreEpEngineConfig(EngineConfig):
     """Parallel plan and actor options of the mcore_ep engine.
 
-    Parallel sizes use verl's megatron spellings. recompute: full activation recompute, one
-    layer per checkpoint. experts / attention: backend.model.BuildOptions' choices ("auto": our
+    Parallel sizes use verl's megatron spellings. recompute: "none" | "selective" (core
+    attention and the experts' SwiGLU) | "full" (one layer per checkpoint), backend.recompute;
+    the bools of older configs mean full (True) and none (False). experts / attention: backend.model.BuildOptions' choices ("auto": our
     grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
     z_coeff, scope, global_counts); off by default, as verl's engines for Qwen3-MoE RL (the
     cluster recipe turns it on: recipes/README.md, "Router aux loss"). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
@@ -46,7 +48,7 @@ class McoreEpEngineConfig(EngineConfig):
     expert_tensor_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    recompute: bool = False
+    recompute: str | bool = "none"
     experts: str = "auto"
     attention: str = "auto"
     aux_loss: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
@@ -70,6 +72,10 @@ class McoreEpEngineConfig(EngineConfig):
                 "the mcore_ep "
                 "actor runs pp=1 and cp=1; use tp, ep and dp instead (python -m parallel --auto)"
             )
+        try:
+            recompute_mode(self.recompute)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         if self.router_replay not in ("disabled", "R2", "R3"):
             raise EngineConfigError(
                 f"router_replay={self.router_replay!r}: choose disabled, R2 or R3"

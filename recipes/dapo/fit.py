@@ -2,7 +2,9 @@
 
 Two moments per device (HEADROOM of its memory usable):
 - actor update (vLLM asleep): parallel.memory's update peak, for our local layer spec with
-  full recompute and `micro_batch_tokens` padded tokens per micro-batch;
+  the least recompute that fits it (none, selective, full: backend.recompute; offload does
+  not move this peak, so recompute is chosen first) and `micro_batch_tokens` padded tokens
+  per micro-batch;
 - rollout: what the actor keeps between updates + vLLM's weights (bf16, split over the
   rollout TP) + at least MIN_KV_CACHE_GIB of KV cache.
 The least offload that satisfies both is chosen (none, optimizer, params and optimizer), and
@@ -25,8 +27,9 @@ Measure them (npu-smi / nvidia-smi per process) before trusting the last decimal
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from backend.recompute import RECOMPUTE_CHOICES
 from parallel.memory import (
     DEVICE_MEMORY_GIB,
     GIB,
@@ -64,6 +67,8 @@ class Fit:
     comm_gib: float = 0.0  # collective buffers of every communicator on the chip
     comms: int = 0
     log_prob: LogProbPass | None = None  # the old-log-prob pass's peak, full logits and lean
+    recompute: str = "full"  # the least that fits the update (backend.recompute choices)
+    recompute_tried: tuple[tuple[str, float], ...] = ()  # (mode, update GiB + shared) tried
 
     @property
     def shared_gib(self) -> float:
@@ -93,23 +98,51 @@ class Fit:
             f"rollout: actor keeps {self.actor_idle_gib:.1f} GiB + vLLM weights "
             f"{self.rollout_weights_gib:.1f} GiB -> KV cache {self.kv_gib:.1f} GiB "
             f"(>= {MIN_KV_CACHE_GIB:g} needed)",
+            *self._recompute_line(),
             f"offload: {offload} (the least that fits); vLLM gpu_memory_utilization "
             f"{self.gpu_memory_utilization:.2f}",
         ] + ([log_prob_pass_line(self.log_prob).strip()] if self.log_prob else [])
 
+    def _recompute_line(self) -> list[str]:
+        if not self.recompute_tried:
+            return []
+        tried = ", ".join(f"{mode} {gib:.1f}" for mode, gib in self.recompute_tried)
+        return [
+            f"recompute: {self.recompute} (the least whose update fits at the assumed EP skew, "
+            f"GiB with the shared: {tried} of {self.limit_gib:.1f})"
+        ]
 
-def fit_rollout(fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp: int) -> Fit:
-    """The least offload that fits, or PlanError naming what does not fit."""
+
+def least_recompute(fit: ModelFit, options: MemoryOptions, shared_gib: float, limit_gib: float):
+    """(none | selective | full, [(mode, update GiB + shared_gib) tried]): the first whose
+    update peak fits limit_gib, full when none does."""
+    tried = []
+    for mode in RECOMPUTE_CHOICES:
+        need = estimate_memory(fit, replace(options, recompute=mode)).update_bytes / GIB
+        tried.append((mode, need + shared_gib))
+        if need + shared_gib <= limit_gib:
+            break
+    return mode, tuple(tried)
+
+
+def fit_rollout(
+    fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp: int, ep_skew: float = 1.0
+) -> Fit:
+    """The least offload that fits, or PlanError naming what does not fit. The recompute is
+    the least whose update peak fits at ep_skew (the EP skew the run assumes), so that the
+    skew verdict holds too; the rest is at balanced routing, as before."""
     device_gib = DEVICE_MEMORY_GIB[device]
     weights_gib = param_counts(fit.spec).total * 2 / rollout_tp / GIB
     comms = communicators(fit.plan, rollout_tp)
     context_gib, comm_gib = SECOND_CONTEXT_GIB[device], comms * COMM_BUFFER_GIB[device]
     shared_gib = context_gib + comm_gib
+    at_skew = MemoryOptions(device_gib, micro_batch_tokens, ep_skew=ep_skew)
+    recompute, tried = least_recompute(fit, at_skew, shared_gib, HEADROOM * device_gib)
     for params, optimizer in OFFLOAD_CHOICES:
         options = MemoryOptions(
             device_gib,
             micro_batch_tokens,
-            recompute=True,
+            recompute=recompute,
             offload_params=params,
             offload_optimizer=optimizer,
         )
@@ -126,7 +159,7 @@ def fit_rollout(fit: ModelFit, device: str, micro_batch_tokens: int, rollout_tp:
         if kv_gib >= MIN_KV_CACHE_GIB:
             return Fit(
                 device_gib, est.update_bytes / GIB, idle_gib, weights_gib, kv_gib, params,
-                optimizer, context_gib, comm_gib, comms, est.log_prob_pass,
+                optimizer, context_gib, comm_gib, comms, est.log_prob_pass, recompute, tried,
             )  # fmt: skip
     raise PlanError(
         f"vLLM weights ({weights_gib:.1f} GiB per device at rollout TP {rollout_tp}) leave under "

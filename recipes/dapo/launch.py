@@ -238,7 +238,8 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     rollout_tp = overrides.DAPO["rollout_tp"]
     if plan.world % rollout_tp:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
-    fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp)
+    skew = _assumed_skew(args.skew_from)
+    fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
     check_data(args.train_file, args.val_file)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
@@ -259,7 +260,6 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         str(ckpt_dir),
         env,
     )
-    skew = _assumed_skew(args.skew_from)
     built = overrides.build(run)
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
@@ -281,7 +281,7 @@ def _skew_lines(model_fit, fit, skew) -> tuple[str, ...]:
     options = MemoryOptions(
         fit.device_gib,
         overrides.MICRO_BATCH_TOKENS,
-        recompute=True,
+        recompute=fit.recompute,
         offload_params=fit.param_offload,
         offload_optimizer=fit.optimizer_offload,
     )
