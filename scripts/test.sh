@@ -9,5 +9,5 @@ bash scripts/bootstrap.sh
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
 echo "== megatron-core 0.16.1 (cpu set): full suite"
 .venv/bin/python -m pytest "$@"
-echo "== megatron-core 0.12.1 (npu set): full suite"
-PYTHONPATH=.venv/overlays/megatron-core-0.12.1 .venv/bin/python -m pytest "$@"
+echo "== megatron-core 0.12.1 (npu set): full suite but the benchmark scripts (release-independent)"
+PYTHONPATH=.venv/overlays/megatron-core-0.12.1 .venv/bin/python -m pytest -m "not bench" "$@"

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_toy_run_measures_every_head_and_pass(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("lph", ROOT / "scripts/bench/logprob_heads.py")
     bench = importlib.util.module_from_spec(spec)

@@ -259,6 +259,7 @@ def test_packed_equals_padded_under_tp_and_ep(tp, ep, tiny_hf_dir):
         _assert_same(result[False], result[True])
 
 
+@pytest.mark.bench
 def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_path, capsys):
     import importlib.util
     import json
@@ -278,6 +279,7 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_benchmark_memory_runs_each_engine_and_pass_in_a_child(monkeypatch, tmp_path):
     import importlib.util
     from pathlib import Path

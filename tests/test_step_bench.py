@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,7 @@ def _bench():
     return module
 
 
+@pytest.mark.bench
 def test_tiny_preset_times_every_system(world1, tmp_path, capsys):
     out = tmp_path / "step.json"
     argv = [
