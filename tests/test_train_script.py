@@ -64,6 +64,12 @@ def argv(files, *extra):
     return [x for k, v in files.items() for x in (k, str(v))] + list(extra)
 
 
+def cluster_dry_run(device: str, *extra: str) -> list[str]:
+    """The shipped 4x8 plan's dry run on `device` (npu | cuda)."""
+    plan = ["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8"]
+    return [*plan, "--device", device, "--dry-run", *extra]
+
+
 def expected_overrides(device: str, files: dict) -> dict[str, str]:
     """The full set for --tp 4 --ep 8 on 4 x 8 devices; A2 and H100 differ in offload and env."""
     a2 = device == "npu"
@@ -353,21 +359,7 @@ def test_shell_script_forwards_to_the_launcher(files):
 def test_dry_run_without_files_prints_plan_layout_memory_and_warnings(
     device, label, nothing_starts, capsys
 ):
-    rc = launch.main(
-        [
-            "--tp",
-            "4",
-            "--ep",
-            "8",
-            "--nodes",
-            "4",
-            "--devices-per-node",
-            "8",
-            "--device",
-            device,
-            "--dry-run",
-        ]
-    )
+    rc = launch.main(cluster_dry_run(device))
     out = capsys.readouterr().out
     assert rc == 0
     assert f"mcore_ep actor on {label} x 32" in out
@@ -397,21 +389,7 @@ def test_history_merges_launches_and_skips_a_torn_line(tmp_path):
 
 @pytest.mark.parametrize("device", ["npu", "cuda"])
 def test_dry_run_names_the_rollout_r3_needs(device, nothing_starts, capsys):
-    base = [
-        "--tp",
-        "4",
-        "--ep",
-        "8",
-        "--nodes",
-        "4",
-        "--devices-per-node",
-        "8",
-        "--device",
-        device,
-        "--dry-run",
-        "--",
-        "actor_rollout_ref.actor.mcore_ep.router_replay=R3",
-    ]
+    base = cluster_dry_run(device, "--", "actor_rollout_ref.actor.mcore_ep.router_replay=R3")
     assert launch.main(base) == 0
     out = capsys.readouterr().out
     assert "routing replay: R3" in out and "vLLM >= 0.22" in out
