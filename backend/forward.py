@@ -47,7 +47,8 @@ def attention_mask_for(input_ids_BS: torch.Tensor) -> torch.Tensor | None:
 
 
 def forward_logits(model, input_ids_BS: torch.Tensor, packed=None) -> torch.Tensor:
-    """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input.
+    """Vocab-parallel logits [B, S, V/tp] for right-padded or unpadded input; on a pipeline
+    stage before the last, the stage's hidden states [S(/tp), B, H] (sent to the next).
 
     packed: megatron-core PackedSeqParams (THD) of a packed [1, T] row: attention stays
     within each sequence (cu_seqlens), positions restart at every sequence start."""

@@ -141,6 +141,29 @@ def _patch_optimizer_cuda_literals() -> None:
             module.torch = _TorchWithCpuForCuda()
 
 
+class _HostTensor(torch.Tensor):
+    """A cpu tensor whose .cuda() stays on the cpu (a plain tensor again)."""
+
+    def cuda(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+class _TorchWithCpuForCudaTensors(_TorchWithCpuForCuda):
+    """Also `torch.tensor(...).cuda()` (0.12.1's schedules) stays on the cpu."""
+
+    def __init__(self):
+        super().__init__()
+        tensor = self.tensor
+        self.tensor = lambda *args, **kwargs: tensor(*args, **kwargs).as_subclass(_HostTensor)
+
+
+def _patch_schedule_cuda_literals() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    if schedules.torch is torch:
+        schedules.torch = _TorchWithCpuForCudaTensors()
+
+
 def _patch_dist_optim_fp32_params() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -375,6 +398,14 @@ SHIMS: tuple[Shim, ...] = (
         "such tensors on the cpu",
         devices=("cpu",),
         patch=_patch_optimizer_cuda_literals,
+    ),
+    Shim(
+        name="schedule_cuda_literals_are_cpu",
+        why="megatron-core's pipeline schedules count the step's tokens in a tensor made on "
+        "'cuda' (0.16.1: device='cuda'; 0.12.1: torch.tensor(0).cuda()); in that module only, "
+        "such tensors stay on the cpu",
+        devices=("cpu",),
+        patch=_patch_schedule_cuda_literals,
     ),
     Shim(
         name="dist_optim_fp32_cpu_params",

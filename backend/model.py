@@ -180,6 +180,11 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
     check_plan_supported(groups.size("tp"), groups.size("ep"), groups.size("etp"))
     config = transformer_config(spec, groups, opts)
     pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
+    # micro-batches differ in length: pipeline stages send each tensor's shape first. Set
+    # after construction: TransformerConfig refuses it with the allgather dispatcher (CPU),
+    # whose all-gather over TP x EP needs equal token counts there; the flag changes only
+    # pipeline sends, and TP slices are equal under sequence parallelism
+    config.variable_seq_lengths = pp_size > 1
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec.num_experts, opts, groups),

@@ -426,7 +426,14 @@ PLANNER = [
         "--pp 5",
         lambda c: ["--device", "cuda", "--dry-run", "--pp", "5"],
         2,
-        "error: pp=5 cp=1: the mcore_ep actor runs pp=1 and cp=1; scale with --tp and --ep (python -m parallel --auto)",
+        "error: pp=5 does not divide num_hidden_layers=48: legal pp for this model: 1, 2, 3, 4, 6, 8, 12, 16, 24, 48 (or set first/last stage layers)",
+    ),
+    Case(
+        "launcher",
+        "--cp 2",
+        lambda c: ["--device", "cuda", "--dry-run", "--cp", "2"],
+        2,
+        "error: cp=2: the mcore_ep actor runs cp=1; scale with --tp, --pp and --ep (python -m parallel --auto)",
     ),
     Case(
         "launcher",

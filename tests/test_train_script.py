@@ -5,6 +5,7 @@ and misuse stops with one line before anything is started."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -122,6 +123,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.tensor_model_parallel_size": "4",
         f"{engine}.expert_model_parallel_size": "8",
         f"{engine}.expert_tensor_parallel_size": "1",
+        f"{engine}.pipeline_model_parallel_size": "1",
         f"{engine}.recompute": "full",  # recipes.dapo.fit: the least recompute that fits
         f"{engine}.param_offload": "true",
         f"{engine}.optimizer_offload": "true",
@@ -251,7 +253,8 @@ def _fails_with_one_line(capsys, args, *needles):
         (["--tp", "8"], "tp=8 does not divide num_key_value_heads=4"),
         (["--ep", "64"], "etp*ep*pp=64 does not divide world=32"),
         (["--ep", "12", "--nodes", "3"], "ep=12 does not divide num_experts=128"),
-        (["--pp", "2"], "pp=1 and cp=1"),
+        (["--cp", "2"], "runs cp=1"),
+        (["--pp", "5"], "pp=5 does not divide num_hidden_layers=48"),
     ],
 )
 def test_illegal_plan_fails_before_anything_starts(plan, needle, files, nothing_starts, capsys):
@@ -324,6 +327,36 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+
+
+def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):
+    """--pp: the engine's pipeline size, the plan's pp groups, the memory model's stages; the
+    local run folds pp into its world and refuses a pp its tiny model cannot take."""
+    args = launch.build_parser().parse_args(
+        argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
+    )
+    run = launch.resolve(args, "cuda", [])
+    engine = "+actor_rollout_ref.actor.mcore_ep"
+    assert flat(run.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
+    assert (run.run.plan.pp, run.run.plan.dp) == (2, 4)
+    peaks = {}
+    for pp in ("1", "2"):  # half the layers per device: a lower update peak
+        assert launch.main(argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", pp,
+                                "--dry-run")) == 0  # fmt: skip
+        out = capsys.readouterr().out
+        peaks[pp] = float(re.search(r"actor update peak ([\d.]+) GiB", out)[1])
+    assert peaks["2"] < peaks["1"]
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    local = launch.build_parser().parse_args(
+        ["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
+    )
+    resolved_local, _, _ = launch.resolve_local(local, [])
+    assert (resolved_local.run.plan.pp, resolved_local.run.plan.world) == (2, 2)
+    assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
+    capsys.readouterr()
+    _fails_with_one_line(
+        capsys, ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"], "--pp 3 does not divide"
+    )
 
 
 def test_shell_script_forwards_to_the_launcher(files):

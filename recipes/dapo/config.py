@@ -66,12 +66,13 @@ class McoreEpEngineConfig(EngineConfig):
                 f"strategy={self.strategy!r} is not {BACKEND!r}: use McoreEpActorConfig "
                 f"only with actor.strategy={BACKEND}"
             )
-        if self.pipeline_model_parallel_size != 1 or self.context_parallel_size != 1:
+        if self.context_parallel_size != 1:
             raise EngineConfigError(
-                f"pp={self.pipeline_model_parallel_size} cp={self.context_parallel_size}: "
-                "the mcore_ep "
-                "actor runs pp=1 and cp=1; use tp, ep and dp instead (python -m parallel --auto)"
+                f"cp={self.context_parallel_size}: the mcore_ep actor runs cp=1; use tp, pp, "
+                "ep and dp instead (python -m parallel --auto)"
             )
+        if self.pipeline_model_parallel_size < 1:
+            raise EngineConfigError(f"pp={self.pipeline_model_parallel_size}: use pp >= 1")
         try:
             recompute_mode(self.recompute)
         except ValueError as e:

@@ -28,7 +28,8 @@ BaseEngine calls verl's workers make map onto our code:
 
 import logging
 import os
-from functools import partial
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,9 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
+from backend.forward import forward_logits
+from backend.lean_head import forward_hidden
+from backend.schedule import is_last_stage, run_micro_batches
 from backend.timing import (
     SECTIONS,
     MoEDispatchTimer,
@@ -48,7 +52,7 @@ from backend.timing import (
 )
 from recipes.dapo import batches, weights
 from recipes.dapo.config import BACKEND
-from recipes.dapo.heads import head_outputs
+from recipes.dapo.heads import head_from_hidden
 from recipes.dapo.optim import OptimSettings, make_optimizer
 from recipes.dapo.routing import Routing
 
@@ -67,6 +71,27 @@ def _one_temperature(temperature_B: torch.Tensor) -> float:
             "micro-batch: use one sampling temperature, or packed=False"
         )
     return float(temperature_B.flatten()[0])
+
+
+def _micro_batch_temperature(temperature, mb):
+    """verl's temperature (a float, or one per row) for this micro-batch's rows."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() and temperature.numel() > 1:
+        temperature = temperature[mb.rows]
+        if mb.cu_seqlens is not None:
+            return _one_temperature(temperature)
+    return temperature
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward(-backward) pass over a batch's micro-batches."""
+
+    mbs: list
+    routes: list[dict]  # per micro-batch: Routing.set_routes arguments
+    loss_function: object
+    forward_only: bool
+    temperature: object
+    entropy: bool
 
 
 def engine_device() -> str:
@@ -124,9 +149,15 @@ class McoreEpEngine(BaseEngine):
                 "actor and reference must use the same mcore_ep plan"
             )
         self.spec = load_qwen3_moe_spec(model_config.local_path)
+        if self.spec.num_layers % plan["pp"]:
+            raise ValueError(
+                f"pp={plan['pp']} does not divide the model's {self.spec.num_layers} layers: "
+                "choose a pp that does (python -m parallel --auto)"
+            )
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
+        self._sync_headers: dict = {}  # weight sync's per-stage tensor list (pp > 1)
         self.timer, self.dispatch_timer = StepTimer(enabled=False), None
         self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
@@ -232,7 +263,8 @@ class McoreEpEngine(BaseEngine):
         return self.groups.dp
 
     def is_mp_src_rank_with_outputs(self):
-        return self.groups.rank("tp") == 0 and self.groups.rank("cp") == 0
+        ranks = self.groups.rank("tp"), self.groups.rank("cp")
+        return ranks == (0, 0) and self._last_stage
 
     # ---- forward / backward ----------------------------------------------------------
 
@@ -264,16 +296,10 @@ class McoreEpEngine(BaseEngine):
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
-        run = partial(
-            self._micro_batch,
-            loss_function=loss_function,
-            forward_only=forward_only,
-            temperature=temperature,
-            entropy=entropy,
-        )
+        passes = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
         if forward_only:
             with self.routing.phase(phase):
-                outputs = [run(mb, routes=r) for mb, r in zip(mbs, routes, strict=True)]
+                outputs = self._run(passes)
             self.routing.set_routes()
             out = self._assemble(outputs, plans, {})
             if phase == "old_log_prob":
@@ -283,8 +309,80 @@ class McoreEpEngine(BaseEngine):
         if self.routing.needs_counting_pass:
             self._counting_pass(mbs, routes)
         with self.routing.phase("update"):
-            outputs = [run(mb, routes=r) for mb, r in zip(mbs, routes, strict=True)]
+            outputs = self._run(passes)
         return self._assemble(outputs, plans, self.routing.end_step())
+
+    @property
+    def _last_stage(self) -> bool:
+        return is_last_stage(self.groups)
+
+    def _enter(self, mb, routes: dict) -> None:
+        """The router instruments' per-micro-batch state: token mask, routes to force."""
+        self.routing.set_tokens(mb.valid_BS, mb.response_BS)
+        self.routing.set_routes(**routes)
+
+    def _run(self, p: "_Pass") -> list[dict | None]:
+        """The micro-batches through megatron-core's schedule (backend.schedule); per
+        micro-batch, the last stage's result (None on earlier stages)."""
+        outputs: list[dict | None] = [None] * len(p.mbs)
+        recorded: list[torch.Tensor | None] = [None] * len(p.mbs)
+
+        def step(i: int):
+            mb = p.mbs[i]
+            self._enter(mb, p.routes[i])
+            if self._last_stage:
+                hidden = forward_hidden(self.model, mb.ids_BS, packed=mb.packed)
+                temperature = _micro_batch_temperature(p.temperature, mb)
+                outputs_BS = head_from_hidden(self.model, hidden, mb.ids_BS, temperature,
+                                              p.entropy)  # fmt: skip
+            else:
+                hidden = forward_logits(self.model, mb.ids_BS, packed=mb.packed)
+            if p.routes[i].get("record"):
+                recorded[i] = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
+            if not self._last_stage:
+                return hidden, hidden
+            outputs[i], loss = self._micro_batch_result(mb, outputs_BS, p)
+            return loss, hidden
+
+        def restore(i: int) -> None:  # micro-batch i's backward (and recompute) begins
+            self._enter(p.mbs[i], p.routes[i])
+
+        run_micro_batches(self.model, len(p.mbs), step, p.forward_only,
+                          tuple(p.mbs[0].ids_BS.shape), on_backward=restore)  # fmt: skip
+        for i, routes_BSLK in enumerate(recorded):
+            if routes_BSLK is not None:
+                routes_BSLK = self._all_stages_routes(routes_BSLK)
+                if outputs[i] is not None:
+                    outputs[i]["model_output"]["routed_experts"] = batches.routes_to_nested(
+                        routes_BSLK.to(ROUTE_DTYPE), p.mbs[i]
+                    )
+        return outputs
+
+    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor:
+        """R2's recorded routes of this stage's layers -> every layer's (gathered over PP)."""
+        pp = self.groups.size("pp")
+        if pp == 1:
+            return routes_BSLK
+        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)]
+        dist.all_gather(parts, routes_BSLK.contiguous(), group=self.groups.pp)
+        return torch.cat(parts, dim=2)
+
+    def _micro_batch_result(self, mb, outputs_BS: dict, p: "_Pass"):
+        """(result, loss) of a micro-batch on the last stage: verl's loss on its outputs."""
+        outputs_BS["log_probs"] = outputs_BS["log_probs"].masked_fill(~mb.has_next_BS, 0.0)
+        model_output = {k: mb.to_nested(v) for k, v in outputs_BS.items()}
+        result = {
+            "model_output": {k: v.detach() for k, v in model_output.items()},
+            "loss": 1.0,
+            "metrics": {},
+        }
+        if p.loss_function is None:
+            return result, None
+        loss, metrics = p.loss_function(
+            model_output=model_output, data=mb.data, dp_group=self.groups.dp
+        )
+        result.update(loss=float(loss.detach()), metrics=metrics)
+        return result, loss
 
     # ---- routing replay and train-vs-rollout mismatch --------------------------------
 
@@ -344,58 +442,45 @@ class McoreEpEngine(BaseEngine):
         from recipes.dapo.mismatch import rollout_logprob_abs_diff
 
         metrics = self.routing.take_agreement()
-        if "rollout_log_probs" in data.keys():
+        if self._last_stage and "rollout_log_probs" in data.keys():
             metrics.update(
                 rollout_logprob_abs_diff(out["model_output"]["log_probs"], data, self.groups.dp)
             )
+        metrics = self._from_last_stage(metrics)
         self.routing.pending = dict(metrics)
         out["metrics"].update({k: [v] for k, v in metrics.items()})
+
+    def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last stage's metrics on every stage (the monitor's report is written by rank 0)."""
+        pp = self.groups.size("pp")
+        if pp == 1:
+            return metrics
+        box = [metrics]  # our own floats, not a user file
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.pp, pp - 1),
+                                   group=self.groups.pp)  # fmt: skip
+        return box[0]
 
     def _counting_pass(self, mbs, routes) -> None:
         """Routing counts of the whole step before any backward (global_batch aux loss);
         the output layer is skipped (no logits: only the routers' counts are read)."""
-        from backend.forward import forward_logits
         from backend.lean_head import output_layer_skipped
 
-        with self.routing.counting(), torch.no_grad(), output_layer_skipped(self.model):
-            for mb, r in zip(mbs, routes, strict=True):
-                self.routing.set_tokens(mb.valid_BS, mb.response_BS)
-                self.routing.set_routes(**r)
-                forward_logits(self.model, mb.ids_BS, packed=mb.packed)
+        def step(i: int):
+            self._enter(mbs[i], routes[i])
+            out = forward_logits(self.model, mbs[i].ids_BS, packed=mbs[i].packed)
+            return (None, out) if self._last_stage else (out, out)
 
-    def _micro_batch(
-        self, mb, loss_function, forward_only: bool, temperature, entropy: bool, routes: dict
-    ) -> dict:
-        if isinstance(temperature, torch.Tensor) and temperature.dim() and temperature.numel() > 1:
-            temperature = temperature[mb.rows]
-            if mb.cu_seqlens is not None:
-                temperature = _one_temperature(temperature)
-        self.routing.set_tokens(mb.valid_BS, mb.response_BS)
-        self.routing.set_routes(**routes)
-        outputs_BS = head_outputs(self.model, mb.ids_BS, temperature, entropy, packed=mb.packed)
-        outputs_BS["log_probs"] = outputs_BS["log_probs"].masked_fill(~mb.has_next_BS, 0.0)
-        model_output = {k: mb.to_nested(v) for k, v in outputs_BS.items()}
-        result = {
-            "model_output": {k: v.detach() for k, v in model_output.items()},
-            "loss": 1.0,
-            "metrics": {},
-        }
-        if routes.get("record"):
-            experts_BSLK = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
-            result["model_output"]["routed_experts"] = batches.routes_to_nested(
-                experts_BSLK.to(ROUTE_DTYPE), mb
-            )
-        if loss_function is not None:
-            loss, metrics = loss_function(
-                model_output=model_output, data=mb.data, dp_group=self.groups.dp
-            )
-            if not forward_only:
-                loss.backward()
-            result.update(loss=float(loss.detach()), metrics=metrics)
-        return result
+        skipped = output_layer_skipped(self.model) if self._last_stage else nullcontext()
+        with self.routing.counting(), torch.no_grad(), skipped:
+            run_micro_batches(self.model, len(mbs), step, True, tuple(mbs[0].ids_BS.shape))
 
     @staticmethod
-    def _assemble(outputs: list[dict], plans: list[list[int]], step_metrics: dict) -> dict:
+    def _assemble(outputs: list[dict | None], plans: list[list[int]], step_metrics: dict) -> dict:
+        """verl's output dict; on pipeline stages before the last (no outputs; verl reads
+        the last stage's tp-rank-0 ranks) only the step metrics."""
+        if outputs[0] is None:
+            metrics = {k: [v] for k, v in step_metrics.items()}
+            return {"model_output": {}, "loss": [], "metrics": metrics}
         keys = outputs[0]["model_output"]
         model_output = {
             k: batches.restore_rows([o["model_output"][k] for o in outputs], plans) for k in keys
@@ -470,7 +555,7 @@ class McoreEpEngine(BaseEngine):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
             self.onload(model=True, optimizer=False, grad=False)
-        tensors = weights.hf_tensors(self.module, self.groups, self.spec)
+        tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers)
         return self.timer.timed_items("weight_sync", tensors), None
 
     def save_checkpoint(

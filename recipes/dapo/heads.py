@@ -48,7 +48,14 @@ def head_outputs(
     """
     if not lean:
         return full_head_outputs(model, ids_BS, temperature, entropy, packed=packed)
-    hidden_SBH = forward_hidden(model, ids_BS, packed=packed)
+    return head_from_hidden(model, forward_hidden(model, ids_BS, packed=packed), ids_BS,
+                            temperature, entropy)  # fmt: skip
+
+
+def head_from_hidden(
+    model, hidden_SBH: torch.Tensor, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False
+) -> dict:
+    """head_outputs' lean head on final hidden states [S, B, H] (backend.lean_head)."""
     s, b, h = hidden_SBH.shape
     labels_SB = F.pad(ids_BS[:, 1:], (0, 1)).t()  # the last position's label is never read
     temperature_SB = _temperature_B(temperature, b, ids_BS.device).expand(s, b)

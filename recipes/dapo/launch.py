@@ -25,7 +25,7 @@ from recipes.dapo.cluster import LaunchError
 
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
-CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "pp", "cp", "skew_from")
+CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "cp", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
 
@@ -224,10 +224,10 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
     dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in CLUSTER_PLAN.items()}
-    if dims["pp"] != 1 or dims["cp"] != 1:
+    if dims["cp"] != 1:
         raise PlanError(
-            f"pp={dims['pp']} cp={dims['cp']}: the mcore_ep actor runs pp=1 and cp=1; "
-            "scale with --tp and --ep (python -m parallel --auto)"
+            f"cp={dims['cp']}: the mcore_ep actor runs cp=1; "
+            "scale with --tp, --pp and --ep (python -m parallel --auto)"
         )
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
@@ -295,6 +295,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     from parallel.plan import ParallelPlan
     from recipes.dapo.fit import Fit
     from recipes.local import run as local
+    from recipes.local.tiny_model import TINY_QWEN3_MOE
 
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]
     if given:
@@ -303,11 +304,12 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
             f"{flags} configure a cluster run: add --device npu or cuda "
             "(this machine has no accelerator; the local run uses the tiny model)"
         )
-    tp, ep = args.tp or 1, args.ep or 1
-    if tp < 1 or ep < 1:
-        raise LaunchError(f"--tp {tp} --ep {ep}: both must be >= 1")
-    world = math.lcm(tp, ep)  # dp: the smallest that lets the experts fold over the ranks
-    plan = ParallelPlan(nodes=1, devices_per_node=world, tp=tp, ep=ep)
+    tp, ep, pp = args.tp or 1, args.ep or 1, args.pp or 1
+    layers = TINY_QWEN3_MOE["num_hidden_layers"]
+    if layers % pp:
+        raise LaunchError(f"--pp {pp} does not divide the tiny model's {layers} layers: use 1 or 2")
+    world = math.lcm(tp, ep) * pp  # dp: the smallest that lets the experts fold over the ranks
+    plan = ParallelPlan(nodes=1, devices_per_node=world, tp=tp, ep=ep, pp=pp)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     if not args.resume and not args.dry_run:
         _start_over(out)

@@ -62,14 +62,12 @@ def warmup_factor(update: int, warmup: int) -> float:
 
 
 class McoreOptimizer:
-    """megatron-core DistributedDataParallel + distributed Adam over one model chunk (pp = 1)."""
+    """megatron-core DistributedDataParallel + distributed Adam over this stage's model chunk."""
 
     def __init__(self, model: torch.nn.Module, groups: ProcessGroups, s: OptimSettings):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        if groups.size("pp") != 1:
-            raise ValueError("the optimizer runs pp=1: pipeline stages need megatron's schedule")
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )

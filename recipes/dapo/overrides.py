@@ -121,6 +121,7 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.tensor_model_parallel_size": run.plan.tp,
         f"{ENGINE}.expert_model_parallel_size": run.plan.ep,
         f"{ENGINE}.expert_tensor_parallel_size": run.plan.etp,
+        f"{ENGINE}.pipeline_model_parallel_size": run.plan.pp,
         f"{ENGINE}.recompute": run.fit.recompute,  # recipes.dapo.fit: the least that fits
         f"{ENGINE}.param_offload": run.fit.param_offload,
         f"{ENGINE}.optimizer_offload": run.fit.optimizer_offload,

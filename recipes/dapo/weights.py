@@ -33,13 +33,69 @@ HF_CONFIG = "hf_config.json"  # what converters.convert reads beside the checkpo
 
 
 def hf_tensors(
-    module, groups: ProcessGroups, spec: Qwen3MoeSpec
+    module, groups: ProcessGroups, spec: Qwen3MoeSpec, headers: dict | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF hub name, full tensor) per tensor, for rollout weight sync (vLLM's names)."""
+    """(HF hub name, full tensor) per tensor of the whole model on every rank, for rollout
+    weight sync (vLLM's names). Collective: every rank iterates to the end.
+
+    headers: a dict the caller keeps between calls (see all_stages)."""
     rows = {mcore: (row, hf) for row, mcore, hf in expand_table(spec)}
-    for key, tensor in iter_full(module, groups, spec):
+    for key, tensor in all_stages(module, groups, spec, headers if headers is not None else {}):
         row, hf_names = rows[key]
         yield from zip(hf_names, split_row(row, tensor, spec), strict=True)
+
+
+def all_stages(
+    module, groups: ProcessGroups, spec: Qwen3MoeSpec, headers: dict
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """converters.sharding.iter_full of every pipeline stage, one tensor at a time: stage s
+    gathers each tensor over TP/EP and broadcasts it over its PP group, stage after stage.
+
+    The receivers need each tensor's (name, shape, dtype) first: the first sync sends them
+    one by one with the tensor and `headers[s]` keeps stage s's list, so later syncs send
+    only tensors (the list is fixed by the model and plan)."""
+    pp = groups.size("pp")
+    if pp == 1:
+        yield from iter_full(module, groups, spec)
+        return
+    device = next(module.parameters()).device
+    for stage in range(pp):
+        src = dist.get_global_rank(groups.pp, stage)
+        if stage == groups.rank("pp"):
+            sent = headers.get(stage)
+            local = []
+            for key, tensor in iter_full(module, groups, spec):
+                if sent is None:
+                    box = [(key, tuple(tensor.shape), tensor.dtype)]  # our own tuple
+                    dist.broadcast_object_list(box, src=src, group=groups.pp)
+                local.append((key, tuple(tensor.shape), tensor.dtype))
+                dist.broadcast(tensor.contiguous(), src=src, group=groups.pp)
+                yield key, tensor
+            if sent is None:
+                dist.broadcast_object_list([None], src=src, group=groups.pp)
+            headers[stage] = local
+            continue
+        for key, shape, dtype in _stage_headers(headers, stage, src, groups.pp):
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=src, group=groups.pp)
+            yield key, tensor
+
+
+def _stage_headers(headers: dict, stage: int, src: int, group) -> Iterator[tuple]:
+    """Stage `stage`'s (name, shape, dtype) list: kept from an earlier sync, or received
+    one by one (the sender's end mark is None) and kept."""
+    if stage in headers:
+        yield from headers[stage]
+        return
+    received = []
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        if box[0] is None:
+            break
+        received.append(box[0])
+        yield box[0]
+    headers[stage] = received
 
 
 # ---- load: HF or our checkpoint into this rank's shard ----------------------------------

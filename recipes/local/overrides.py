@@ -70,7 +70,8 @@ def cpu_overrides(run) -> dict[str, dict]:
             "trainer.val_before_train": True,
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
-            "trainer.experiment_name": f"tiny-qwen3-moe-cpu-tp{run.plan.tp}-ep{run.plan.ep}",
+            "trainer.experiment_name": f"tiny-qwen3-moe-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
+            + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
             "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
