@@ -9,6 +9,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
+from backend.common import round_up
 from tests.test_verl_engine import (
     LENGTHS,
     _engine_grads,
@@ -26,7 +27,7 @@ def test_real_token_planner_packs_first_fit_within_the_budget():
     plans = plan_by_real_tokens(lengths, budget=20, multiple=4)
     assert sorted(i for p in plans for i in p) == list(range(len(lengths)))
     for plan in plans:
-        assert -(-sum(lengths[i] for i in plan) // 4) * 4 <= 20
+        assert round_up(sum(lengths[i] for i in plan), 4) <= 20
     assert len(plans) == 3 < len(plan_by_tokens(lengths, budget=20, multiple=4))
     with pytest.raises(BatchError, match="exceeds max_token_len_per_gpu=8"):
         plan_by_real_tokens(lengths, budget=8, multiple=1)

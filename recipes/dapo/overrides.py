@@ -10,6 +10,7 @@ paths, environment) comes from a RunSpec.
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.common import DEVICE_TAGS
 from parallel.plan import ParallelPlan
 from recipes.dapo import BACKEND
 from recipes.dapo.fit import Fit
@@ -169,7 +170,7 @@ def reward(run: RunSpec) -> dict:
 
 
 def trainer(run: RunSpec) -> dict:
-    label = {"npu": "a2", "cuda": "h100", "cpu": "cpu"}[run.device]
+    label = DEVICE_TAGS[run.device]
     return {
         "trainer.use_v1": True,
         "trainer.v1.trainer_mode": "sync",
