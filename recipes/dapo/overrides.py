@@ -41,8 +41,8 @@ MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"
 LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
 # Qwen3's own balancing (global batch), applied with an explicit coefficient, never inherited
 # from the HF config; f counted in the old-log-prob pass that runs anyway (exact with one
-# update per step, see below), not in an extra forward (1.36x the update time of aux off):
-# recipes/README.md, "Router aux loss". "observe" logs it without a gradient
+# update per step, see below), not in an extra forward (a whole no-grad forward per update;
+# figures in recipes/README.md, "Router aux loss"). "observe" logs it without a gradient
 AUX_LOSS = {"mode": "on", "type": "global_batch", "coeff": 0.001, "global_counts": "old_log_prob"}
 ENGINE_MODULE = "recipes.dapo.engine"
 ACTOR = "actor_rollout_ref.actor"

@@ -5,7 +5,7 @@ times against each other, on the same bytes: a plain copy of the shards (shutil.
 fsync), `python -m converters hf-to-mcore` and `mcore-to-hf` (separate processes set up as
 `python -m converters` sets itself up; peak RSS from the child's VmHWM and a psutil
 sampler). Copies and conversions alternate for --repeats rounds and medians are reported
-(on a shared VM one copy of the same bytes took anywhere from 1.5 to 3.2 s). Each step
+(on a shared VM the copy time of the same bytes varies widely from run to run). Each step
 reads its input cold: earlier writes are flushed and the input dropped from the page cache.
 
 Each conversion is split into start-up (process start, imports, layout, checks), the data
@@ -274,7 +274,8 @@ def main() -> None:
         load = [os.getloadavg()[0]]
         # Every measured step starts right after a model's worth of files is removed: the
         # page cache it freed is reused at once, whereas memory the VM has not touched lately
-        # is slow to get (one copy: ~2 s after a removal, 3.0-3.6 s after another write).
+        # is slow to get, so a copy right after another write runs much slower than one
+        # right after a removal.
         stale = [work / "stale_a", work / "stale_b"]
         for path in stale:
             copy_baseline(src, path)  # not measured: only removed
