@@ -9,6 +9,7 @@ import argparse
 from dataclasses import replace
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
+from backend.common import DEVICE_LABELS
 from backend.hf_config import ConfigError
 from backend.monitor.report import ReportError
 from backend.recompute import RECOMPUTE_CHOICES
@@ -16,7 +17,6 @@ from parallel.advice import expert_notes, listed, plan_warnings
 from parallel.auto import Candidate, rank_plans
 from parallel.layout import RankLayout
 from parallel.memory import (
-    DEVICE_LABELS,
     DEVICE_MEMORY_GIB,
     MemoryOptions,
     estimate_memory,

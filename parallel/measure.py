@@ -72,14 +72,16 @@ def check_tiny_activations(
     ours: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
     `groups` comes from backend.distributed.init_parallel on a world of one.
     """
+    from transformers import Qwen3MoeConfig
+
     from backend.forward import forward_logits
     from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
     from parallel.activations import LOCAL_SPEC_KERNELS, OURS_ON_CPU_KERNELS, layer_activation_bytes
+    from parallel.models import TINY_QWEN3_MOE
     from parallel.plan import ParallelPlan
-    from recipes.local.tiny_model import tiny_config
 
-    spec = load_qwen3_moe_spec(tiny_config())
+    spec = load_qwen3_moe_spec(Qwen3MoeConfig(**TINY_QWEN3_MOE))
     torch.manual_seed(seed)
     modules = (
         dict(experts="grouped", attention="sdpa")

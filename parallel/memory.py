@@ -36,7 +36,6 @@ from parallel.plan import ModelFit
 
 GIB = 2**30
 DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Ascend A2, H100 SXM
-DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU"}
 HEADROOM = 0.9  # past this share of device memory, fragmentation and transient buffers bite
 RUNTIME_GIB = 2.0
 

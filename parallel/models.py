@@ -32,6 +32,28 @@ QWEN3_30B_A3B = {
     "torch_dtype": "bfloat16",
 }
 
+# The tiny Qwen3-MoE of the CPU run and the tests (recipes/local/tiny_model.py builds and saves
+# it): the same architecture (GQA, qk-norm, softmax top-k routing renormalised, untied head),
+# shrunk so CPU runs take seconds; head_dim differs from hidden/heads on purpose, as it does
+# in the real model (128 vs 2048/32 = 64). Keyword arguments of transformers' Qwen3MoeConfig.
+TINY_QWEN3_MOE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
 DEFAULT_MODEL_NAME = "Qwen3-30B-A3B"
 
 

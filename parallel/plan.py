@@ -10,6 +10,7 @@ model itself requires (heads, experts, layers, vocab) is `check_against_model`.
 from dataclasses import dataclass, fields
 from math import lcm
 
+from backend.common import round_up
 from backend.hf_config import Qwen3MoeSpec
 
 # megatron-core pads the vocab to a multiple of make_vocab_size_divisible_by * tp
@@ -167,7 +168,7 @@ def _uneven_stage_layers(plan: ParallelPlan, num_layers: int) -> tuple[int, ...]
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple
+    return round_up(vocab_size, multiple)
 
 
 def plan_for_model(

@@ -3,9 +3,15 @@
 # (megatron-core 0.16.1) and on the npu set's megatron-core 0.12.1 (MindSpeed's release, an
 # overlay without deps; the npu set's verl, transformers and numpy are the cpu set's, checked by
 # tests/test_stack.py). Tests that only hold on one release say so in a skip reason.
+# Lint first (ruff, the dev extra's, pinned in scripts/stacks/cpu.in): a failure stops here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+echo "== lint: ruff check, ruff format --check"
+if ! { .venv/bin/ruff check . && .venv/bin/ruff format --check .; }; then
+    echo "test.sh: lint failed: run .venv/bin/ruff check --fix . && .venv/bin/ruff format ." >&2
+    exit 1
+fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
 echo "== megatron-core 0.16.1 (cpu set): full suite"
 .venv/bin/python -m pytest "$@"

@@ -62,3 +62,23 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _each_plan(rank: int, fn, plans: list, args: tuple) -> list:
+    """fn(rank, *args, *plan) for each plan in turn in one process; megatron-core's groups are
+    torn down between plans (the world process group stays for the next)."""
+    from megatron.core import parallel_state as ps
+
+    results = []
+    for plan in plans:
+        results.append(fn(rank, *args, *plan))
+        ps.destroy_model_parallel()
+    return results
+
+
+def run_plans(fn, world: int, plans: list, *args, timeout: float = 300.0) -> list:
+    """One spawn of `world` ranks for several parallel plans (tuples appended to fn's args):
+    [plan][rank] results. Cheaper than a spawn per plan: the processes start, import torch,
+    megatron-core and verl, and join the world once."""
+    per_rank = run_ranks(_each_plan, world, fn, list(plans), args, timeout=timeout)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(plans))]

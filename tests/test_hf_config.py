@@ -6,7 +6,8 @@ import re
 import pytest
 
 from backend.hf_config import ConfigError, load_qwen3_moe_spec
-from recipes.local.tiny_model import TINY_QWEN3_MOE, tiny_config
+from parallel.models import TINY_QWEN3_MOE
+from recipes.local.tiny_model import tiny_config
 
 
 def test_config_object_dict_and_file_agree(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
+from backend.common import round_up
 from tests.test_verl_engine import (
     LENGTHS,
     _engine_grads,
@@ -26,7 +27,7 @@ def test_real_token_planner_packs_first_fit_within_the_budget():
     plans = plan_by_real_tokens(lengths, budget=20, multiple=4)
     assert sorted(i for p in plans for i in p) == list(range(len(lengths)))
     for plan in plans:
-        assert -(-sum(lengths[i] for i in plan) // 4) * 4 <= 20
+        assert round_up(sum(lengths[i] for i in plan), 4) <= 20
     assert len(plans) == 3 < len(plan_by_tokens(lengths, budget=20, multiple=4))
     with pytest.raises(BatchError, match="exceeds max_token_len_per_gpu=8"):
         plan_by_real_tokens(lengths, budget=8, multiple=1)
@@ -237,26 +238,31 @@ def _assert_same(padded: dict, packed: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2-ep2"])
-def test_packed_equals_padded_under_tp_and_ep(tp, ep, tiny_hf_dir):
-    """2 gloo ranks: sequence-parallel slices of the packed row and EP dispatch."""
+def test_packed_equals_padded_under_tp_and_ep(tiny_hf_dir):
+    """2 gloo ranks: sequence-parallel slices of the packed row and EP dispatch, at tp2, ep2
+    and tp2 x ep2 in one spawn (megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1)."""
     from packaging.version import Version
 
     from backend.compat import mcore_version
-    from tests.multiproc import run_ranks
+    from tests.multiproc import run_plans
 
-    if mcore_version() < Version("0.13") and (tp, ep) == (2, 1):
-        pytest.skip("megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1")
-    results = run_ranks(packed_vs_padded_rank, 2, str(tiny_hf_dir), tp, ep)
-    if tp > 1:  # sequence-parallel weights (norms, routers): partial grads, summed over TP
-        for packed in (False, True):
-            summed = {
-                k: sum(r[packed]["grads"][k] for r in results) for k in results[0][packed]["grads"]
-            }
-            for r in results:
-                r[packed]["grads"] = summed
-    for result in results:
-        _assert_same(result[False], result[True])
+    plans = [(2, 1), (1, 2), (2, 2)]
+    if mcore_version() < Version("0.13"):
+        plans.remove((2, 1))
+    for (tp, ep), results in zip(
+        plans, run_plans(packed_vs_padded_rank, 2, plans, str(tiny_hf_dir)), strict=True
+    ):
+        if tp > 1:  # sequence-parallel weights (norms, routers): partial grads, summed over TP
+            for packed in (False, True):
+                grads = results[0][packed]["grads"]
+                summed = {k: sum(r[packed]["grads"][k] for r in results) for k in grads}
+                for r in results:
+                    r[packed]["grads"] = summed
+        for rank, result in enumerate(results):
+            try:
+                _assert_same(result[False], result[True])
+            except AssertionError as err:
+                raise AssertionError(f"tp={tp} ep={ep} rank {rank}: {err}") from None
 
 
 @pytest.mark.bench

@@ -9,9 +9,8 @@ from parallel.auto import rank_plans
 from parallel.cli import main
 from parallel.layout import RankLayout
 from parallel.memory import DEVICE_MEMORY_GIB, MemoryOptions, estimate_memory
-from parallel.models import load_spec
+from parallel.models import TINY_QWEN3_MOE, load_spec
 from parallel.plan import ParallelPlan, PlanError, check_against_model
-from recipes.local.tiny_model import TINY_QWEN3_MOE
 
 QWEN = load_spec()
 

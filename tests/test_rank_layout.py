@@ -101,13 +101,50 @@ def _megatron_groups(rank: int, world: int, plans: list) -> list[dict]:
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.mcore_compat
-@pytest.mark.parametrize("world,plans", [(8, PLANS_8), (4, PLANS_4)])
-def test_layout_matches_megatron_process_groups(world, plans):
-    per_rank = run_ranks(_megatron_groups, world, world, plans)
+def _fake_world_groups(_rank: int, world: int, plans: list) -> list[list[dict]]:
+    """In one process: every rank of `world` in turn on torch's fake process group (no peers,
+    collectives are no-ops), megatron-core initialised for each plan; returns [rank][plan]."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from backend.device import prepare_device
+
+    prepare_device("cpu")
+    from megatron.core import parallel_state as ps
+
+    # megatron-core also builds gloo subgroups, which need real peers: on the fake world,
+    # every subgroup takes the fake backend (membership, the thing compared, is unchanged)
+    real_new_group = dist.new_group
+    dist.new_group = lambda *args, backend=None, **kwargs: real_new_group(*args, **kwargs)
+    per_rank = []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        per_rank.append(_megatron_groups(rank, world, plans))  # destroys the process group
+    dist.new_group = real_new_group
+    assert not ps.model_parallel_is_initialized()
+    return per_rank
+
+
+def _check_against_layout(world: int, plans: list, per_rank: list) -> None:
     for i, dims in enumerate(plans):
         layout = RankLayout(_plan(world, *dims))
         for rank, found in enumerate(per_rank):
             predicted = {f: layout.group(rank, g) for f, g in FIELDS.items()}
             assert found[i] == predicted, (dims, rank)
+
+
+@pytest.mark.mcore_compat
+def test_layout_matches_megatron_process_groups_on_a_fake_world_of_8():
+    """The 8-rank plans: megatron-core's groups for each rank, computed on a fake world in one
+    spawned process (the session's world-of-one process group must stay untouched)."""
+    (per_rank,) = run_ranks(_fake_world_groups, 1, 8, PLANS_8)
+    assert len(per_rank) == 8
+    _check_against_layout(8, PLANS_8, per_rank)
+
+
+@pytest.mark.slow
+@pytest.mark.mcore_compat
+def test_layout_matches_megatron_process_groups_on_4_real_ranks():
+    """Real gloo ranks, each asking its own process groups: what the fake world cannot show
+    (ranks that rendezvous and agree on every group they create together)."""
+    _check_against_layout(4, PLANS_4, run_ranks(_megatron_groups, 4, 4, PLANS_4))

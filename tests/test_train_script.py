@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,17 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch, stack
+from recipes.dapo import cluster, launch, overrides, stack
 
 REPO = Path(__file__).resolve().parents[1]
-A2_ENV = {
-    "HCCL_CONNECT_TIMEOUT": "1800",
-    "HCCL_EXEC_TIMEOUT": "3600",
-    "TASK_QUEUE_ENABLE": "1",
-    "VLLM_USE_V1": "1",
-    "HCCL_SOCKET_IFNAME": "eth0",
-    "GLOO_SOCKET_IFNAME": "eth0",
-}
 
 
 @pytest.fixture
@@ -71,9 +64,31 @@ def cluster_dry_run(device: str, *extra: str) -> list[str]:
     return [*plan, "--device", device, "--dry-run", *extra]
 
 
+def _source_of_truth(device: str):
+    """What the launcher's overrides are made of, taken where it takes them: the DAPO
+    settings and token budgets (recipes.dapo.overrides), the A2 environment
+    (recipes.dapo.cluster), the memory model's rollout fit of the shipped plan on the
+    embedded Qwen3-30B-A3B (recipes.dapo.fit) and the default EP skew (parallel.skew)."""
+    from parallel.models import load_spec
+    from parallel.plan import plan_for_model
+    from parallel.skew import default_skew
+    from recipes.dapo.fit import fit_rollout
+
+    skew = default_skew().value
+    model_fit = plan_for_model(load_spec(), 4, 8, tp=4, ep=8, etp=1, pp=1, cp=1)
+    fit = fit_rollout(
+        model_fit, device, overrides.MICRO_BATCH_TOKENS, overrides.DAPO["rollout_tp"], skew
+    )
+    return fit, skew
+
+
 def expected_overrides(device: str, files: dict) -> dict[str, str]:
-    """The full set for --tp 4 --ep 8 on 4 x 8 devices; A2 and H100 differ in offload and env."""
+    """The full set for --tp 4 --ep 8 on 4 x 8 devices; A2 and H100 differ in offload and env.
+    The keys and which setting each carries are written out here; the values come from the
+    objects the launcher uses (_source_of_truth), formatted as verl's command line has them."""
     a2 = device == "npu"
+    D, fmt = overrides.DAPO, overrides.format_value
+    fit, skew = _source_of_truth(device)
     actor, engine, rollout, kw = (
         "actor_rollout_ref.actor",
         "+actor_rollout_ref.actor.mcore_ep",
@@ -82,97 +97,103 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
     )
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
-        **(A2_ENV if a2 else {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}),
+        **(cluster.A2_ENV if a2 else {}),
+        **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
+        "GLOO_SOCKET_IFNAME": "eth0",
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
-    return {
+    aux_loss = "{" + ",".join(f"{k}:{fmt(v)}" for k, v in overrides.AUX_LOSS.items()) + "}"
+    expected = {
         "data.train_files": str(files["--train-file"]),
         "data.val_files": str(files["--val-file"]),
         "data.prompt_key": "prompt",
-        "data.max_prompt_length": "2048",
-        "data.max_response_length": "6144",
-        "data.train_batch_size": "32",
+        "data.max_prompt_length": D["max_prompt_length"],
+        "data.max_response_length": D["max_response_length"],
+        "data.train_batch_size": D["train_batch_size"],
         "data.truncation": "left",
-        "data.filter_overlong_prompts": "true",
+        "data.filter_overlong_prompts": True,
         "algorithm.adv_estimator": "grpo",
-        "algorithm.use_kl_in_reward": "false",
-        "algorithm.kl_ctrl.kl_coef": "0.0",
-        "algorithm.filter_groups.enable": "true",
+        "algorithm.use_kl_in_reward": False,
+        "algorithm.kl_ctrl.kl_coef": 0.0,
+        "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "acc",
-        "algorithm.filter_groups.max_inflight_gen_batches": "3",
-        f"{actor}.clip_ratio_low": "0.2",
-        f"{actor}.clip_ratio_high": "0.28",
-        f"{actor}.clip_ratio_c": "10.0",
+        "algorithm.filter_groups.max_inflight_gen_batches": (
+            D["gen_batch_size"] // D["train_batch_size"]
+        ),
+        f"{actor}.clip_ratio_low": D["clip_ratio_low"],
+        f"{actor}.clip_ratio_high": D["clip_ratio_high"],
+        f"{actor}.clip_ratio_c": D["clip_ratio_c"],
         f"{actor}.loss_agg_mode": "token-mean",
-        f"{actor}.use_kl_loss": "false",
-        f"{actor}.kl_loss_coef": "0.0",
-        f"{actor}.entropy_coeff": "0",
-        f"{actor}.ppo_mini_batch_size": "32",
-        f"{actor}.ppo_epochs": "1",
-        f"{actor}.use_dynamic_bsz": "true",
-        f"{actor}.ppo_max_token_len_per_gpu": "16384",
-        f"{actor}.optim.lr": "1e-06",
-        f"{actor}.optim.lr_warmup_steps": "10",
-        f"{actor}.optim.weight_decay": "0.1",
-        f"{actor}.optim.clip_grad": "1.0",
+        f"{actor}.use_kl_loss": False,
+        f"{actor}.kl_loss_coef": 0.0,
+        f"{actor}.entropy_coeff": 0,
+        f"{actor}.ppo_mini_batch_size": D["train_batch_size"],  # one update per step
+        f"{actor}.ppo_epochs": 1,
+        f"{actor}.use_dynamic_bsz": True,
+        f"{actor}.ppo_max_token_len_per_gpu": overrides.MICRO_BATCH_TOKENS,
+        f"{actor}.optim.lr": D["lr"],
+        f"{actor}.optim.lr_warmup_steps": D["warmup_steps"],
+        f"{actor}.optim.weight_decay": D["weight_decay"],
+        f"{actor}.optim.clip_grad": D["grad_clip"],
         "actor_rollout_ref.model.path": str(files["--model"]),
         "actor_rollout_ref.model.external_lib": "recipes.dapo.engine",
         f"{actor}._target_": "recipes.dapo.config.McoreEpActorConfig",
         f"{actor}.strategy": "mcore_ep",
         f"{engine}._target_": "recipes.dapo.config.McoreEpEngineConfig",
-        f"{engine}.tensor_model_parallel_size": "4",
-        f"{engine}.expert_model_parallel_size": "8",
-        f"{engine}.expert_tensor_parallel_size": "1",
-        f"{engine}.pipeline_model_parallel_size": "1",
-        f"{engine}.recompute": "full",  # recipes.dapo.fit: the least recompute that fits
-        f"{engine}.param_offload": "true",
-        f"{engine}.optimizer_offload": "true",
-        f"{engine}.aux_loss": "{mode:on,type:global_batch,coeff:0.001,global_counts:old_log_prob}",
-        f"{engine}.monitor.enable": "true",
+        f"{engine}.tensor_model_parallel_size": 4,
+        f"{engine}.expert_model_parallel_size": 8,
+        f"{engine}.expert_tensor_parallel_size": 1,
+        f"{engine}.pipeline_model_parallel_size": 1,
+        f"{engine}.recompute": fit.recompute,  # recipes.dapo.fit: the least recompute that fits
+        f"{engine}.param_offload": fit.param_offload,
+        f"{engine}.optimizer_offload": fit.optimizer_offload,
+        f"{engine}.aux_loss": aux_loss,
+        f"{engine}.monitor.enable": True,
         f"{engine}.monitor.log_dir": f"{files['--ckpt-dir']}/moe_tensorboard",
         f"{engine}.router_replay": "disabled",
-        f"{engine}.packed": "false",
-        f"{engine}.monitor.assumed_ep_skew": "2.0",
+        f"{engine}.packed": False,
+        f"{engine}.monitor.assumed_ep_skew": skew,
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
-        f"{rollout}.tensor_model_parallel_size": "2",
-        f"{rollout}.gpu_memory_utilization": "0.81" if a2 else "0.82",
-        f"{rollout}.n": "16",
-        f"{rollout}.temperature": "1.0",
-        f"{rollout}.top_p": "1.0",
-        f"{rollout}.top_k": "-1",
-        f"{rollout}.max_num_batched_tokens": "8192",
-        f"{rollout}.enable_chunked_prefill": "true",
-        f"{rollout}.log_prob_use_dynamic_bsz": "true",
-        f"{rollout}.log_prob_max_token_len_per_gpu": "32768",
-        f"{rollout}.val_kwargs.temperature": "1.0",
-        f"{rollout}.val_kwargs.top_p": "0.7",
-        f"{rollout}.val_kwargs.top_k": "-1",
-        f"{rollout}.val_kwargs.do_sample": "true",
-        f"{rollout}.val_kwargs.n": "1",
+        f"{rollout}.tensor_model_parallel_size": D["rollout_tp"],
+        f"{rollout}.gpu_memory_utilization": fit.gpu_memory_utilization,
+        f"{rollout}.n": D["n"],
+        f"{rollout}.temperature": D["temperature"],
+        f"{rollout}.top_p": 1.0,
+        f"{rollout}.top_k": -1,
+        f"{rollout}.max_num_batched_tokens": D["max_prompt_length"] + D["max_response_length"],
+        f"{rollout}.enable_chunked_prefill": True,
+        f"{rollout}.log_prob_use_dynamic_bsz": True,
+        f"{rollout}.log_prob_max_token_len_per_gpu": overrides.LOG_PROB_TOKENS,
+        f"{rollout}.val_kwargs.temperature": D["temperature"],
+        f"{rollout}.val_kwargs.top_p": D["val_top_p"],
+        f"{rollout}.val_kwargs.top_k": -1,
+        f"{rollout}.val_kwargs.do_sample": True,
+        f"{rollout}.val_kwargs.n": 1,
         "reward.reward_manager.name": "dapo",
-        f"{kw}.max_resp_len": "6144",
-        f"{kw}.overlong_buffer_cfg.enable": "true",
-        f"{kw}.overlong_buffer_cfg.len": "4096",
-        f"{kw}.overlong_buffer_cfg.penalty_factor": "1.0",
-        f"{kw}.overlong_buffer_cfg.log": "false",
-        "trainer.use_v1": "true",
+        f"{kw}.max_resp_len": D["max_response_length"],
+        f"{kw}.overlong_buffer_cfg.enable": True,
+        f"{kw}.overlong_buffer_cfg.len": D["overlong_buffer"],
+        f"{kw}.overlong_buffer_cfg.penalty_factor": D["overlong_penalty"],
+        f"{kw}.overlong_buffer_cfg.log": False,
+        "trainer.use_v1": True,
         "trainer.v1.trainer_mode": "sync",
         "trainer.device": device,
-        "trainer.nnodes": "4",
-        "trainer.n_gpus_per_node": "8",
-        "trainer.save_freq": "50",
-        "trainer.test_freq": "200",
+        "trainer.nnodes": 4,
+        "trainer.n_gpus_per_node": 8,
+        "trainer.save_freq": D["save_freq"],
+        "trainer.test_freq": D["test_freq"],
         "trainer.resume_mode": "auto",
-        "trainer.val_before_train": "true",
+        "trainer.val_before_train": True,
         "trainer.default_local_dir": str(files["--ckpt-dir"]),
         "hydra.run.dir": f"{files['--ckpt-dir']}/hydra",
-        "trainer.logger": "[console,tensorboard]",
+        "trainer.logger": ["console", "tensorboard"],
         "trainer.project_name": "mcore-moe-dapo",
         "trainer.experiment_name": f"qwen3-30b-a3b-{'a2' if a2 else 'h100'}-tp4-ep8",
         # quoted: hydra must hand Ray strings, not HCCL_EXEC_TIMEOUT=3600 as an int
         **{f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": f"'{v}'" for k, v in env.items()},
     }
+    return {k: fmt(v) for k, v in expected.items()}
 
 
 def resolved(device, files, *extra):
@@ -289,20 +310,51 @@ def test_npu_without_torch_npu_fails_before_anything_starts(files, nothing_start
 
 
 def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path):
+    """The real launcher end to end but for two stand-ins found where it looks for them: a
+    `ray` and a `python` (sys.executable) that log their calls. The real check_ray reads the
+    real `ray status` call; the real run_command starts the real command line in the repo with
+    the job environment and returns the child's status."""
     (files["--model"] / "model.safetensors").write_bytes(b"")
-    fake_ray = tmp_path / "ray"
-    fake_ray.write_text("#!/bin/sh\necho ' 0.0/16.0 GPU'\n")
-    fake_ray.chmod(0o755)
-    monkeypatch.setattr(cluster, "ray_executable", lambda: str(fake_ray))
-    started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    record = (
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(json.dumps([os.path.basename(sys.argv[0]), sys.argv[1:], os.getcwd(),"
+        " dict(os.environ)]) + '\\n')\n"
+    )
+    ray, python = bin_dir / "ray", bin_dir / "python"
+    python.write_text(record + "sys.exit(3)\n")
+    monkeypatch.setattr(sys, "executable", str(python))  # cluster.ray_executable: its sibling
     monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
+
+    def calls():
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    ray.write_text(record + "print(' 0.0/16.0 GPU')\n")
+    for exe in (ray, python):
+        exe.chmod(0o755)
     assert launch.main(argv(files, "--device", "cuda")) == 2  # 16 GPUs < 32
-    assert started == []
-    fake_ray.write_text("#!/bin/sh\necho ' 0.0/32.0 GPU'\n")
-    assert launch.main(argv(files, "--device", "cuda", "--", "trainer.total_epochs=1")) == 0
-    ((cmd, env),) = started
-    assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[-1] == "trainer.total_epochs=1"
+    assert [(exe, args) for exe, args, _, _ in calls()] == [("ray", ["status"])]  # nothing started
+    log.unlink()
+    ray.write_text(record + "print(' 0.0/32.0 GPU')\n")
+    rc = launch.main(argv(files, "--device", "cuda", "--", "trainer.total_epochs=1"))
+    assert rc == 3  # the training child's own status
+    (ray_call, verl_call) = calls()  # ray status first, then verl
+    assert ray_call[:2] == ["ray", ["status"]]
+    exe, args, cwd, env = verl_call
+    assert exe == "python" and args[:2] == ["-m", "verl.trainer.main_ppo"] and cwd == str(REPO)
+    expected = launch.resolve(
+        launch.build_parser().parse_args(argv(files, "--device", "cuda")),
+        "cuda",
+        ["trainer.total_epochs=1"],
+    )
+    assert args[2:] == overrides.to_cli(expected.groups)
+    assert args[-1] == "trainer.total_epochs=1"
+    # our engine: loaded by verl's external_lib in the actor's workers, selected by strategy
+    assert "actor_rollout_ref.model.external_lib=recipes.dapo.engine" in args
+    assert "actor_rollout_ref.actor.strategy=mcore_ep" in args
+    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "VERL_USE_EXTERNAL_MODULES" not in env
 
 

@@ -15,6 +15,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import response_from_nested
 
+from backend.common import round_up
 from backend.hf_config import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.qwen3_moe import mcore_to_hf, unfuse_experts
@@ -383,7 +384,7 @@ def test_micro_batches_respect_the_padded_token_budget():
     plans = plan_by_tokens(lengths, budget=32, multiple=4)
     assert sorted(i for p in plans for i in p) == list(range(len(lengths)))
     for plan in plans:  # rows x longest row (rounded up to the multiple) within the budget
-        assert len(plan) * -(-max(lengths[i] for i in plan) // 4) * 4 <= 32
+        assert len(plan) * round_up(max(lengths[i] for i in plan), 4) <= 32
     assert len(split_to(plans, len(plans) + 2)) == len(plans) + 2
     with pytest.raises(BatchError, match="exceeds max_token_len_per_gpu=8"):
         plan_by_tokens(lengths, budget=8, multiple=1)

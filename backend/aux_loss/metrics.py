@@ -3,8 +3,9 @@
 import torch
 
 from backend.aux_loss.config import AuxLossConfig
+from backend.common import AUX_LOSS_PREFIX
 
-PREFIX = "moe/aux_loss"
+PREFIX = AUX_LOSS_PREFIX
 
 
 def metric_dict(

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from backend.common import ceil_div
+
 LAYER_METRICS = ("max_over_mean", "cv", "entropy", "dead", "top10_share", "ep_max_over_mean")
 
 
@@ -70,7 +72,7 @@ def top_n_share_L(counts_LE, n: int) -> torch.Tensor:
 
 def top10_count(num_experts: int) -> int:
     """ceil(E / 10) in integers (0.1 * E in floats rounds up wrongly, e.g. 30 -> 4)."""
-    return max(1, -(-num_experts // 10))
+    return max(1, ceil_div(num_experts, 10))
 
 
 def top10_share_L(counts_LE) -> torch.Tensor:

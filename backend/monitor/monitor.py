@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from backend.common import AUX_LOSS_PREFIX
 from backend.distributed import ProcessGroups
 from backend.monitor import tb
 from backend.monitor.alerts import RunWarning, SkewGuard
@@ -28,7 +29,7 @@ from backend.monitor.metrics import flatten, overall_metrics
 from backend.router_tap import RouterCall, RouterTap
 
 PHASES = ("update", "old_log_prob", "ref")
-AUX_PREFIX = "moe/aux_loss"
+AUX_PREFIX = AUX_LOSS_PREFIX
 log = logging.getLogger(__name__)
 
 

@@ -33,7 +33,8 @@ class McoreEpEngineConfig(EngineConfig):
     cluster recipe turns it on: recipes/README.md, "Router aux loss"). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
     timing: per-step `timing/*` metrics and the communication-share warning (backend.timing;
     on by default: its sections cost under 1% of a step). timing_dispatch: also time every MoE
-    layer's token dispatch / combine (off by default: +2.7% on the tiny model on CPU).
+    layer's token dispatch / combine (off by default: it costs more than that 1%; figures in the
+    README, "Routing skew and where a step's time goes").
     router_replay: "disabled" | "R2" (the update reuses the old-log-prob pass's experts) |
     "R3" (old-log-prob pass and update use the rollout's `routed_experts`; needs the
     rollout's enable_rollout_routing_replay=True). See recipes/README.md, "Routing replay".

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
+from backend.common import DEVICE_LABELS
 from recipes.dapo import BACKEND, cluster, data, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
-DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU (tiny Qwen3-MoE)"}
+RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "cp", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume")
@@ -97,7 +98,7 @@ class Resolved:
     def describe(self) -> str:
         run = self.run
         lines = [
-            f"DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on {DEVICE_LABELS[run.device]} "
+            f"DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on {RUN_LABELS[run.device]} "
             f"x {run.plan.world}",
             f"plan: {run.plan.describe()}",
         ]

@@ -10,6 +10,7 @@ paths, environment) comes from a RunSpec.
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.common import DEVICE_TAGS
 from parallel.plan import ParallelPlan
 from recipes.dapo import BACKEND
 from recipes.dapo.fit import Fit
@@ -40,8 +41,8 @@ MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"
 LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
 # Qwen3's own balancing (global batch), applied with an explicit coefficient, never inherited
 # from the HF config; f counted in the old-log-prob pass that runs anyway (exact with one
-# update per step, see below), not in an extra forward (1.36x the update time of aux off):
-# recipes/README.md, "Router aux loss". "observe" logs it without a gradient
+# update per step, see below), not in an extra forward (a whole no-grad forward per update;
+# figures in recipes/README.md, "Router aux loss"). "observe" logs it without a gradient
 AUX_LOSS = {"mode": "on", "type": "global_batch", "coeff": 0.001, "global_counts": "old_log_prob"}
 ENGINE_MODULE = "recipes.dapo.engine"
 ACTOR = "actor_rollout_ref.actor"
@@ -170,7 +171,7 @@ def reward(run: RunSpec) -> dict:
 
 
 def trainer(run: RunSpec) -> dict:
-    label = {"npu": "a2", "cuda": "h100", "cpu": "cpu"}[run.device]
+    label = DEVICE_TAGS[run.device]
     return {
         "trainer.use_v1": True,
         "trainer.v1.trainer_mode": "sync",

@@ -7,7 +7,8 @@ resume) is the cluster's.
 """
 
 PLATFORM_MODULES = "recipes.local.platform,recipes.local.rollout"
-# sized for 2 cores: 5-10 s a step, most of it verl's per-sample rollout path
+# sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
+# per-sample rollout path (timings: recipes/README.md, "The toy task")
 TOY = dict(
     max_prompt_length=32,
     max_response_length=3,  # an answer digit and <|im_end|> fit in 2: one token of slack

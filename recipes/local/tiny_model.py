@@ -1,31 +1,14 @@
 """A tiny random Qwen3-MoE, written as an HF checkpoint by transformers itself.
 
-Same architecture as Qwen3-30B-A3B (GQA, qk-norm, softmax top-k routing renormalised,
-untied head), shrunk so CPU runs take seconds. head_dim differs from hidden/heads on
-purpose, as it does in the real model (128 vs 2048/32 = 64).
+Its shape (parallel.models.TINY_QWEN3_MOE, where the planner's model configs live) is the
+architecture of Qwen3-30B-A3B shrunk so CPU runs take seconds.
 """
 
 from pathlib import Path
 
 import torch
 
-TINY_QWEN3_MOE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=24,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+from parallel.models import TINY_QWEN3_MOE
 
 
 def tiny_config(**overrides):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from backend.common import AUX_LOSS_PREFIX  # noqa: E402
+
 QWEN3 = {"type": "global_batch", "coeff": 0.001}
 SETTINGS = {
     "off": {"mode": "off"},
@@ -37,7 +39,7 @@ SETTINGS = {
     "global_batch": {"mode": "on", **QWEN3},  # + the counting pass
     "global_batch_olp": {"mode": "on", **QWEN3, "global_counts": "old_log_prob"},
 }
-BALANCE = "moe/aux_loss/load_balancing/mean"
+BALANCE = f"{AUX_LOSS_PREFIX}/load_balancing/mean"
 
 
 def setting(name: str, coeff: float) -> dict:

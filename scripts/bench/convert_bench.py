@@ -5,7 +5,7 @@ times against each other, on the same bytes: a plain copy of the shards (shutil.
 fsync), `python -m converters hf-to-mcore` and `mcore-to-hf` (separate processes set up as
 `python -m converters` sets itself up; peak RSS from the child's VmHWM and a psutil
 sampler). Copies and conversions alternate for --repeats rounds and medians are reported
-(on a shared VM one copy of the same bytes took anywhere from 1.5 to 3.2 s). Each step
+(on a shared VM the copy time of the same bytes varies widely from run to run). Each step
 reads its input cold: earlier writes are flushed and the input dropped from the page cache.
 
 Each conversion is split into start-up (process start, imports, layout, checks), the data
@@ -36,28 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    torch_dtype="bfloat16",
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+from backend.common import ceil_div  # noqa: E402
+from parallel.models import QWEN3_30B_A3B  # noqa: E402
+
 GB = 1e9
 
 
@@ -74,7 +55,7 @@ def hf_tensor_list(config: dict):
 def _values(pool: torch.Tensor, i: int, n: int) -> torch.Tensor:
     """n values of the pool at a tensor-dependent offset (tiled when the pool is smaller)."""
     if n > pool.numel():
-        return pool.repeat(-(-n // pool.numel()))[:n]
+        return pool.repeat(ceil_div(n, pool.numel()))[:n]
     start = (i * 7919) % (pool.numel() - n + 1)
     return pool[start : start + n]
 
@@ -293,7 +274,8 @@ def main() -> None:
         load = [os.getloadavg()[0]]
         # Every measured step starts right after a model's worth of files is removed: the
         # page cache it freed is reused at once, whereas memory the VM has not touched lately
-        # is slow to get (one copy: ~2 s after a removal, 3.0-3.6 s after another write).
+        # is slow to get, so a copy right after another write runs much slower than one
+        # right after a removal.
         stale = [work / "stale_a", work / "stale_b"]
         for path in stale:
             copy_baseline(src, path)  # not measured: only removed

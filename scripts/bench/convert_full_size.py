@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convert_bench as bench  # noqa: E402  (same directory)
 
 from converters.hf_writer import ShardedWriter, shard_header, write_index  # noqa: E402
+from parallel.models import QWEN3_30B_A3B  # noqa: E402
 
 MARK = 4096  # random bytes at each end of a tensor
 GB = bench.GB
@@ -44,7 +45,7 @@ def log(msg: str) -> None:
 
 def write_sparse(out: Path, layers: int, shard_bytes: int) -> list:
     """The synthetic HF checkpoint, its tensors' ends random and their middles holes."""
-    config = {**bench.QWEN3_30B_A3B, "num_hidden_layers": layers}
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6}))

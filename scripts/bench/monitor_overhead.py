@@ -25,21 +25,29 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from parallel.models import QWEN3_30B_A3B, TINY_QWEN3_MOE
+
+
+def _shape(config: dict, layers: int, seq: int, batch: int) -> dict:
+    """A preset from an HF Qwen3-MoE config dict (parallel.models), in SHAPE_KEYS order."""
+    return dict(
+        hidden=config["hidden_size"],
+        experts=config["num_experts"],
+        top_k=config["num_experts_per_tok"],
+        layers=layers,
+        heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        moe_ffn=config["moe_intermediate_size"],
+        vocab=config["vocab_size"],
+        seq=seq,
+        batch=batch,
+    )
+
+
 PRESETS = {
-    # shape of recipes/local/tiny_model.py
-    "tiny": dict(
-        hidden=64,
-        experts=8,
-        top_k=2,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=24,
-        moe_ffn=32,
-        vocab=128,
-        seq=64,
-        batch=4,
-    ),
+    # the tiny Qwen3-MoE of the CPU run
+    "tiny": _shape(TINY_QWEN3_MOE, layers=TINY_QWEN3_MOE["num_hidden_layers"], seq=64, batch=4),
     "large": dict(
         hidden=512,
         experts=16,
@@ -54,19 +62,7 @@ PRESETS = {
         batch=1,
     ),
     # Qwen3-30B-A3B per-layer shape, few layers (for a GPU)
-    "qwen3-layer": dict(
-        hidden=2048,
-        experts=128,
-        top_k=8,
-        layers=4,
-        heads=32,
-        kv_heads=4,
-        head_dim=128,
-        moe_ffn=768,
-        vocab=151936,
-        seq=4096,
-        batch=1,
-    ),
+    "qwen3-layer": _shape(QWEN3_30B_A3B, layers=4, seq=4096, batch=1),
 }
 SHAPE_KEYS = tuple(PRESETS["tiny"])
 MODES = ("off", "tap", "on")

@@ -16,9 +16,10 @@ and the run goes on:
     .venv/bin/python scripts/bench/step_bench.py --preset tiny --breakdown    # CPU, seconds
 
 Presets (Qwen3-30B-A3B layers: hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8 with
-norm_topk_prob, expert ffn 768, vocab 151936, untied lm_head): 4L = 4 layers, 2 x 4096
-tokens; 12L = 12 layers, 1 x 4096; tiny = 2 layers, hidden 64, 4 / 2 heads of 16, 8 experts
-top-2, ffn 32, vocab 1000, 2 x 64 tokens. --layers / --batch / --seq override the preset.
+norm_topk_prob, expert ffn 768, vocab 151936, untied lm_head; parallel.models): 4L = 4 layers,
+2 x 4096 tokens; 12L = 12 layers, 1 x 4096; tiny = the CPU run's tiny Qwen3-MoE
+(parallel.models.TINY_QWEN3_MOE: 2 layers, hidden 64, 4 / 2 heads of 24, 8 experts top-2,
+ffn 32, vocab 128), 2 x 64 tokens. --layers / --batch / --seq override the preset.
 bf16 on GPU, fp32 on CPU (--dtype overrides).
 
 One step: random token ids; mcore: forward_logits -> token_log_probs(logits[:, :-1],
@@ -67,41 +68,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from step_phases import PHASE_PREFIX, profile_phases  # noqa: E402  (same directory)
 
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    initializer_range=0.02,
-)
-TINY = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
+from parallel.models import QWEN3_30B_A3B as RELEASED_CONFIG  # noqa: E402
+from parallel.models import TINY_QWEN3_MOE  # noqa: E402
+
+# the released config (parallel.models); the dtype is this script's choice (--dtype)
+QWEN3_30B_A3B = {k: v for k, v in RELEASED_CONFIG.items() if k != "torch_dtype"}
 PRESETS = {  # name: (layers, batch, seq, config overrides)
     "4L": (4, 2, 4096, {}),
     "12L": (12, 1, 4096, {}),
-    "tiny": (2, 2, 64, TINY),
+    "tiny": (2, 2, 64, TINY_QWEN3_MOE),  # the tiny Qwen3-MoE of the CPU run
 }
 MCORE_SYSTEMS = ("ours", "mcore-local")
 HF_SYSTEMS = ("hf-grouped_mm", "hf-eager")

@@ -1,0 +1,19 @@
+"""Names and integer helpers shared by backend/, parallel/, recipes/ and scripts/ (no imports:
+any layer may use it)."""
+
+# the accelerators by the name a person reads (plans, launcher summaries) and as a run-name tag
+DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU"}
+DEVICE_TAGS = {"npu": "a2", "cuda": "h100", "cpu": "cpu"}
+
+# the router aux loss's flat metrics (backend.aux_loss) and where the monitor picks them up
+AUX_LOSS_PREFIX = "moe/aux_loss"
+
+
+def ceil_div(n: int, d: int) -> int:
+    """ceil(n / d) in integers (no float rounding)."""
+    return -(-n // d)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
+    return ceil_div(n, multiple) * multiple
