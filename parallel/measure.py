@@ -73,8 +73,8 @@ def check_tiny_activations(
     `groups` comes from backend.distributed.init_parallel on a world of one.
     """
     from backend.forward import forward_logits
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from parallel.activations import LOCAL_SPEC_KERNELS, OURS_ON_CPU_KERNELS, layer_activation_bytes
     from parallel.plan import ParallelPlan
     from recipes.local.tiny_model import tiny_config
