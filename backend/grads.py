@@ -15,8 +15,10 @@ import torch.distributed as dist
 from backend.distributed import ProcessGroups
 
 
-def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert weight: tagged `is_expert` by backend.model.build_model, or by megatron-core
+    `allreduce=False` (expert-parallel replicas)."""
+    return getattr(param, "is_expert", False) or not getattr(param, "allreduce", True)
 
 
 def _tp_partial(name: str, param: torch.Tensor) -> bool:
@@ -31,7 +33,7 @@ def sync_grads(model: torch.nn.Module, groups: ProcessGroups) -> None:
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        replicas = "edp" if is_expert(name) else "dp"
+        replicas = "edp" if is_expert(param) else "dp"
         if groups.size(replicas) > 1:
             dist.all_reduce(param.grad, group=getattr(groups, replicas))
         if tp > 1 and _tp_partial(name, param):
@@ -43,8 +45,8 @@ def _owned_square_sum(model: torch.nn.Module, groups: ProcessGroups, experts: bo
     split_group = "etp" if experts else "tp"
     first_in_split = groups.rank(split_group) == 0
     total = torch.zeros((), dtype=torch.float64)
-    for name, param in model.named_parameters():
-        if param.grad is None or is_expert(name) != experts:
+    for param in model.parameters():
+        if param.grad is None or is_expert(param) != experts:
             continue
         if getattr(param, "tensor_model_parallel", False) or first_in_split:
             total += param.grad.detach().double().pow(2).sum().cpu()

@@ -1,20 +1,18 @@
-"""Build a megatron-core GPTModel for Qwen3-MoE from a validated HF spec.
+"""Build a megatron-core GPTModel from a validated HF spec.
 
-Qwen3's router is softmax over all experts, top-k, renormalised over the k when
-`norm_topk_prob`. megatron-core's TopKRouter with pre_softmax=False takes the top-k
-logits and softmaxes over them, which is the same renormalised distribution;
-pre_softmax=True (softmax then top-k, no renormalisation) is norm_topk_prob=False.
+What the model is (shape, norms, router, layer spec, RoPE) comes from its family's folder
+(backend.families: backend/<model_type>/); what this module adds is how it is built here:
+process groups, dtype and device, token dispatcher, fusions, recompute, our fast modules.
 """
 
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from backend.compat import check_plan_supported
 from backend.device import has_transformer_engine
 from backend.distributed import ProcessGroups
-from backend.hf_config import Qwen3MoeSpec
+from backend.families import family_of
 from backend.recompute import MEGATRON_SELECTIVE_MODULES, recompute_mode
 
 
@@ -68,7 +66,7 @@ def _choose(what: str, value: str, choices: tuple[str, str], fast: bool) -> str:
     return value
 
 
-def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions):
+def transformer_config(spec, groups: ProcessGroups, opts: BuildOptions):
     """megatron-core TransformerConfig for this spec on these process groups."""
     from megatron.core.transformer import TransformerConfig
 
@@ -84,26 +82,7 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
         ),
     }[opts.resolved_recompute()]
     return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        qk_layernorm=True,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        num_moe_experts=spec.num_experts,
-        moe_router_topk=spec.top_k,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not spec.norm_topk_prob,
+        **family_of(spec).transformer_config_kwargs(spec),
         moe_router_dtype="fp32",
         # balancing is ours to add explicitly (backend aux-loss hook), never inherited
         moe_router_load_balancing_type="none",
@@ -133,22 +112,8 @@ def transformer_config(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOpt
     )
 
 
-def layer_spec(num_experts: int, opts: BuildOptions, groups: ProcessGroups):
-    """Layer spec: TransformerEngine modules ('te') or megatron-core's local ones ('local'),
-    the latter with our grouped experts / SDPA attention swapped in as `opts` asks."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
-    if opts.resolved_spec() == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=True
-        )
-    spec = specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-    )
-    return _with_fast_modules(spec, opts, groups)
-
-
-def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
+def with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
+    """A local layer spec with our grouped experts / SDPA attention swapped in as `opts` asks."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from backend.attention import SDPAttention
@@ -172,12 +137,13 @@ def _with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
     return replace(spec, submodules=layer)
 
 
-def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | None = None):
-    """One pipeline stage of the Qwen3-MoE GPTModel (the whole model when pp == 1)."""
+def build_model(spec, groups: ProcessGroups, opts: BuildOptions | None = None):
+    """One pipeline stage of the spec's GPTModel (the whole model when pp == 1)."""
     from megatron.core.models.gpt import GPTModel
 
     opts = opts or BuildOptions()
     check_plan_supported(groups.size("tp"), groups.size("ep"), groups.size("etp"))
+    family = family_of(spec)
     config = transformer_config(spec, groups, opts)
     pp_rank, pp_size = groups.rank("pp"), groups.size("pp")
     # micro-batches differ in length: pipeline stages send each tensor's shape first. Set
@@ -187,23 +153,37 @@ def build_model(spec: Qwen3MoeSpec, groups: ProcessGroups, opts: BuildOptions | 
     config.variable_seq_lengths = pp_size > 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec.num_experts, opts, groups),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.max_position_embeddings,
+        transformer_layer_spec=family.layer_spec(spec, opts, groups),
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=int(spec.rope_theta),
+        **family.gpt_model_kwargs(spec),
     )
+    tag_experts(model)
     tag_expert_replicas(model, groups)
     if config.sequence_parallel:
         mark_sequence_parallel_norms(model)
     if opts.device != "cpu":
         model = model.to(torch.device(opts.device, torch.accelerator.current_device_index()))
     return model
+
+
+def tag_experts(model: torch.nn.Module) -> int:
+    """Mark every expert weight `is_expert` (those of each MoELayer's experts module).
+
+    megatron-core's own mark, `allreduce=False`, is only set where expert replicas are not the
+    dense ones' (`tag_expert_replicas`); generic code (backend.grads) asks `is_expert`, not
+    parameter names. Returns how many parameters were tagged.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    tagged = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.is_expert = True
+                tagged += 1
+    return tagged
 
 
 def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:

@@ -1,1 +1,1 @@
-"""HF <-> megatron-core weight conversion for Qwen3-MoE."""
+"""HF <-> megatron-core weight conversion, for every model family (backend.families)."""

@@ -1,7 +1,7 @@
 """The two conversions, streaming: HF safetensors <-> megatron-core torch_dist checkpoint.
 
 Both walk the world-size-1 parameters in model order (converters.layout), turn each into
-or out of its HF tensors with the name table (converters.qwen3_moe), and hold one
+or out of its HF tensors with the model family's mappings (converters.table), and hold one
 parameter at a time. Checks run before anything is written; the output appears only
 when complete (converters.atomic) and carries a manifest (converters.manifest).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.hf_config import Qwen3MoeSpec, load_qwen3_moe_spec
+from backend.families import family_of, load_spec
 from converters.atomic import atomic_dir, check_free_space, check_target
 from converters.dist_read import DistReader
 from converters.errors import ConversionError
@@ -22,15 +22,9 @@ from converters.hf_source import HFSource
 from converters.hf_writer import ShardedWriter, TensorSpec, copy_template
 from converters.layout import Layout, build_layout
 from converters.manifest import ManifestWriter
-from converters.qwen3_moe import (
-    HF_IGNORED,
-    MappingError,
-    Row,
-    combine_row,
-    expand_table,
-    split_row,
-)
+from converters.mappings import Mapping as WeightMapping
 from converters.readahead import ReadAhead
+from converters.table import MappingError, combine_row, rows_by_name, split_row
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept beside the dist checkpoint
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,16 +41,16 @@ SHAPE_FIELDS = (
 )
 
 
-def table(spec: Qwen3MoeSpec) -> dict[str, tuple[Row, tuple[str, ...]]]:
-    """World-1 mcore parameter name -> (row, its HF tensor names)."""
-    return {mcore: (row, hf) for row, mcore, hf in expand_table(spec)}
+def table(spec) -> dict[str, tuple[WeightMapping, tuple[str, ...]]]:
+    """World-1 mcore parameter name -> (its mapping, its HF tensor names)."""
+    return rows_by_name(spec)
 
 
 # ---- checks -------------------------------------------------------------------------
 
 
-def check_target_config(spec: Qwen3MoeSpec, target: str | Path) -> None:
-    want = load_qwen3_moe_spec(target)
+def check_target_config(spec, target: str | Path) -> None:
+    want = load_spec(target)
     for name in SHAPE_FIELDS:
         have, need = getattr(spec, name), getattr(want, name)
         if have != need:
@@ -66,7 +60,7 @@ def check_target_config(spec: Qwen3MoeSpec, target: str | Path) -> None:
             )
 
 
-def check_plans(spec: Qwen3MoeSpec, plans: list[tuple[int, int, int, int]]) -> None:
+def check_plans(spec, plans: list[tuple[int, int, int, int]]) -> None:
     """Each (tp, ep, pp, etp) the output is meant to load at must suit the model."""
     from parallel.plan import ParallelPlan, PlanError, check_against_model
 
@@ -84,7 +78,7 @@ def _meta(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
+def check_hf_shapes(src: HFSource, spec, layout: Layout) -> None:
     """Every HF tensor present with the shape its parameter's split gives, none left over.
 
     (Splitting a meta parameter, not combining meta HF tensors: torch.cat on meta tensors
@@ -104,7 +98,9 @@ def check_hf_shapes(src: HFSource, spec: Qwen3MoeSpec, layout: Layout) -> None:
                     f"{h} has shape {src.entries[h].shape}, {name} {layout.shapes[name]} needs "
                     f"{tuple(part.shape)}: config.json and the weights disagree"
                 )
-    extra = sorted(n for n in src.entries if n not in used and not HF_IGNORED.match(n))
+    extra = sorted(
+        n for n in src.entries if n not in used and not family_of(spec).hf_ignored.match(n)
+    )
     if extra:
         raise MappingError(
             f"HF checkpoint has {_first(extra)} that this config "
@@ -117,7 +113,7 @@ def _first(names: list[str]) -> str:
 
 
 def read_param_from_hf(
-    src: HFSource, layout: Layout, row: Row, hf: tuple[str, ...], name: str, spec: Qwen3MoeSpec
+    src: HFSource, layout: Layout, row: WeightMapping, hf: tuple[str, ...], name: str, spec
 ) -> torch.Tensor:
     """One world-1 parameter from its HF tensors. Where the table's split of the parameter
     gives views of it (copied rows, GLU gate/up halves), each HF tensor is read straight
@@ -166,7 +162,7 @@ def convert_hf_to_mcore(
 ) -> Path:
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     check_target(out, force)
-    spec = load_qwen3_moe_spec(hf_dir)
+    spec = load_spec(hf_dir)
     if target_config is not None:
         check_target_config(spec, target_config)
     check_plans(spec, list(plans))
@@ -243,7 +239,7 @@ def read_param(reader: DistReader, layout: Layout, name: str) -> torch.Tensor:
 
 
 def hf_tensors(
-    reader: DistReader, layout: Layout, spec: Qwen3MoeSpec, manifest: ManifestWriter
+    reader: DistReader, layout: Layout, spec, manifest: ManifestWriter
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (hub layout) tensors in model order, read ahead of the caller and queued for
     hashing as they are read (the hashing goes on while the caller's writes wait)."""
@@ -262,7 +258,7 @@ def hf_tensors(
             yield from params(name)
 
 
-def hf_specs(layout: Layout, spec: Qwen3MoeSpec) -> list[TensorSpec]:
+def hf_specs(layout: Layout, spec) -> list[TensorSpec]:
     rows, out = table(spec), []
     for name, shape in layout.shapes.items():
         row, hf = rows[name]
@@ -283,7 +279,7 @@ def load_spec_for(reader: DistReader, config: str | Path | None, template: str |
         raise ConversionError(
             f"no model config for {reader.root}: pass --config or --template (an HF dir of this model)"
         )
-    return load_qwen3_moe_spec(source), str(source)
+    return load_spec(source), str(source)
 
 
 def convert_mcore_to_hf(

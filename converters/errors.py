@@ -1,8 +1,8 @@
 """The one error type the converters raise for bad input or output; the CLI prints it in one line."""
 
-from backend.hf_config import ConfigError
+from backend.families import ConfigError
 from converters.hf_io import CheckpointError
-from converters.qwen3_moe import MappingError
+from converters.table import MappingError
 
 
 class ConversionError(ValueError):

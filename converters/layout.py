@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.hf_config import Qwen3MoeSpec
 from converters.errors import ConversionError
 
 
@@ -78,12 +77,12 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def build_layout(spec: Qwen3MoeSpec, dtype: torch.dtype) -> Layout:
+def build_layout(spec, dtype: torch.dtype) -> Layout:
     with _collector_paused():
         return _build_layout(spec, dtype)
 
 
-def _build_layout(spec: Qwen3MoeSpec, dtype: torch.dtype) -> Layout:
+def _build_layout(spec, dtype: torch.dtype) -> Layout:
     groups = world1_groups()
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories

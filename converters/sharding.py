@@ -1,12 +1,12 @@
 """TP / EP / PP slicing between full (world-size-1) mcore tensors and one rank's parameters.
 
-One generic layer for every converter: the name table (converters.qwen3_moe) says what
-a full mcore tensor is made of; this module says which part of it a rank holds.
+One generic layer for every converter: the model family's mappings (converters.mappings,
+listed in backend/<model_type>/) say what a full mcore tensor is made of and, each for its
+own tensor, which part of it a TP rank holds; this module asks them.
 - TP: megatron tags split parameters with `tensor_model_parallel` and `partition_dim`;
-  expert weights split over the expert-TP group, everything else over TP.
-- GLU fc1 (cat(gate, up)): each rank holds cat(gate_r, up_r), not a contiguous slice.
-- QKV needs no special case: fused per query group, a contiguous slice is whole groups.
-- EP: local expert j is global expert ep_rank * E/ep + j (converters.qwen3_moe.ExpertSlice).
+  the mapping says over which group (`tp_group`: expert-TP for `is_expert`, else TP) and
+  how (contiguous, or GLU fc1's cat(gate_r, up_r)).
+- EP: local expert j is global expert ep_rank * E/ep + j (converters.table.ExpertSlice).
 - PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
 - Grouped experts (backend.experts) are walked per expert under SequentialMLP's names
   (`expanded_parameters`), so one table serves both expert modules.
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from backend.hf_config import Qwen3MoeSpec
-from converters.qwen3_moe import ExpertSlice, MappingError, hf_to_mcore
+from converters.mappings import Mapping as WeightMapping
+from converters.table import ExpertSlice, MappingError, hf_to_mcore, rows_by_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -52,7 +52,7 @@ def expanded_parameters(
             yield name, param, value
 
 
-def expert_slice(spec: Qwen3MoeSpec, groups: ProcessGroups) -> ExpertSlice:
+def expert_slice(spec, groups: ProcessGroups) -> ExpertSlice:
     return ExpertSlice(spec.num_experts, groups.size("ep"), groups.rank("ep"))
 
 
@@ -69,56 +69,49 @@ def global_name(name: str, offsets: Mapping[int, int]) -> str:
     return f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end() :]
 
 
-def _tp_coords(name: str, groups: ProcessGroups) -> tuple[int, int]:
-    group = "etp" if ".mlp.experts." in name else "tp"
-    return groups.rank(group), groups.size(group)
-
-
-def _is_glu_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")
-
-
 def shard(
-    full: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups
+    full: torch.Tensor, mapping: WeightMapping, param: torch.Tensor, groups: ProcessGroups
 ) -> torch.Tensor:
-    """This rank's part of a full tensor, for the parameter `param` named `name`."""
+    """This rank's part of a full tensor, for the parameter `param` that `mapping` maps."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    rank, size = _tp_coords(name, groups)
-    dim = param.partition_dim
-    if _is_glu_fc1(name):
-        gate, up = full.chunk(2, dim=dim)
-        return torch.cat((gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]), dim=dim)
-    return full.chunk(size, dim=dim)[rank]
+    group = mapping.tp_group
+    return mapping.shard(full, param.partition_dim, groups.rank(group), groups.size(group))
 
 
 def unshard(
-    local: torch.Tensor, name: str, param: torch.Tensor, groups: ProcessGroups
+    local: torch.Tensor, mapping: WeightMapping, param: torch.Tensor, groups: ProcessGroups
 ) -> torch.Tensor:
     """Inverse of shard: all-gather a TP/ETP-split tensor into the full one (collective)."""
     if not getattr(param, "tensor_model_parallel", False):
         return local
-    group = "etp" if ".mlp.experts." in name else "tp"
+    group = mapping.tp_group
     size = groups.size(group)
     if size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=getattr(groups, group))
-    dim = param.partition_dim
-    if _is_glu_fc1(name):
-        halves = [p.chunk(2, dim=dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-    return torch.cat(parts, dim=dim)
+    return mapping.unshard(parts, param.partition_dim)
+
+
+def _mapping(rows: dict, key: str, name: str) -> WeightMapping:
+    if key not in rows:
+        raise MappingError(
+            f"model parameter {name} has no HF mapping: is the model built from the same "
+            "config, with the local layer spec?"
+        )
+    return rows[key][0]
 
 
 def load_hf_sharded(
     model: torch.nn.Module,
     hf: Mapping[str, torch.Tensor],
-    spec: Qwen3MoeSpec,
+    spec,
     groups: ProcessGroups,
 ) -> None:
     """Copy HF weights into this rank's (TP/EP/PP-sharded) mcore model in place."""
-    full = hf_to_mcore(hf, spec, expert_slice(spec, groups))
+    experts = expert_slice(spec, groups)
+    full, rows = hf_to_mcore(hf, spec, experts), rows_by_name(spec, experts)
     offsets = layer_offsets(model)
     with torch.no_grad():
         for name, param, _ in expanded_parameters(model):
@@ -127,7 +120,7 @@ def load_hf_sharded(
                 raise MappingError(
                     f"model parameter {name} has no HF source: is the model built from the same config?"
                 )
-            local = shard(full[key], name, param, groups)
+            local = shard(full[key], rows[key][0], param, groups)
             if local.shape != param.shape:
                 raise MappingError(
                     f"{name}: HF gives shape {tuple(local.shape)} on this rank, model expects "
@@ -137,7 +130,7 @@ def load_hf_sharded(
 
 
 def iter_full(
-    model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec, grads: bool = False
+    model: torch.nn.Module, groups: ProcessGroups, spec, grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(world-size-1 mcore name, full tensor) of this PP stage, one tensor at a time.
 
@@ -145,9 +138,12 @@ def iter_full(
     expert). Collective: every rank of the stage iterates to the end.
     """
     offsets, ep = layer_offsets(model), groups.size("ep")
+    rows = rows_by_name(spec, expert_slice(spec, groups))
     for name, param, tensor in expanded_parameters(model, grads):
-        full, key = unshard(tensor, name, param, groups), global_name(name, offsets)
-        if ".mlp.experts." not in name:
+        key = global_name(name, offsets)
+        mapping = _mapping(rows, key, name)
+        full = unshard(tensor, mapping, param, groups)
+        if not mapping.is_expert:
             yield key, full
             continue
         parts = [full]
@@ -159,7 +155,7 @@ def iter_full(
 
 
 def gather_full(
-    model: torch.nn.Module, groups: ProcessGroups, spec: Qwen3MoeSpec, grads: bool = False
+    model: torch.nn.Module, groups: ProcessGroups, spec, grads: bool = False
 ) -> dict[str, torch.Tensor]:
     """World-size-1 mcore names -> full tensors (params, or their .grad), on every rank.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from backend.hf_config import load_qwen3_moe_spec
+from backend.families import load_spec
 from converters.convert import load_spec_for, read_param, table
 from converters.dist_read import DistReader, find_dist_dir, is_dist_dir
 from converters.errors import ConversionError
@@ -23,8 +23,8 @@ from converters.manifest import (
     sha256,
     write_manifest,
 )
-from converters.qwen3_moe import split_row
 from converters.safe_pickle import check_dist_checkpoint
+from converters.table import split_row
 
 CHUNK = 1 << 24  # elements compared at a time under --atol
 
@@ -134,7 +134,7 @@ def _hf_config(*paths) -> Path | None:
     """A dist side is read with the config of the HF side, when there is one."""
     for p in map(Path, paths):
         if (p / "config.json").is_file() and not is_dist_dir(p):
-            load_qwen3_moe_spec(p)
+            load_spec(p)
             return p
     return None
 

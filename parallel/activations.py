@@ -77,7 +77,7 @@ plus one), L/(pp*vpp) layers each.
 
 from dataclasses import dataclass
 
-from backend.hf_config import Qwen3MoeSpec
+from backend.qwen3_moe import Qwen3MoeSpec
 from backend.recompute import recompute_mode
 from parallel.plan import ModelFit, ParallelPlan
 

@@ -10,7 +10,7 @@ memory headroom.
 from dataclasses import dataclass
 from itertools import product
 
-from backend.hf_config import Qwen3MoeSpec
+from backend.qwen3_moe import Qwen3MoeSpec
 from parallel.layout import RankLayout
 from parallel.memory import MemoryEstimate, MemoryOptions, estimate_memory, least_recompute
 from parallel.plan import ModelFit, ParallelPlan, PlanError, check_against_model, divisors

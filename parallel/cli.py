@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from backend.hf_config import ConfigError
+from backend.families import ConfigError
 from backend.monitor.report import ReportError
 from backend.recompute import RECOMPUTE_CHOICES
 from parallel.advice import expert_notes, listed, plan_warnings

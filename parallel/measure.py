@@ -75,8 +75,8 @@ def check_tiny_activations(
     from transformers import Qwen3MoeConfig
 
     from backend.forward import forward_logits
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from parallel.activations import LOCAL_SPEC_KERNELS, OURS_ON_CPU_KERNELS, layer_activation_bytes
     from parallel.models import TINY_QWEN3_MOE
     from parallel.plan import ParallelPlan

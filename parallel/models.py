@@ -1,6 +1,6 @@
 """Model configs the planner knows without the hub, and loading a spec from --model."""
 
-from backend.hf_config import Qwen3MoeSpec, load_qwen3_moe_spec
+from backend.qwen3_moe import Qwen3MoeSpec, load_qwen3_moe_spec
 
 # Qwen/Qwen3-30B-A3B config.json as released (30.5B parameters, 3.3B active per token).
 QWEN3_30B_A3B = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from math import lcm
 
 from backend.common import round_up
-from backend.hf_config import Qwen3MoeSpec
+from backend.qwen3_moe import Qwen3MoeSpec
 
 # megatron-core pads the vocab to a multiple of make_vocab_size_divisible_by * tp
 VOCAB_DIVISIBLE_BY = 128

@@ -46,8 +46,8 @@ def run_tp(rank: int, hf_dir: str, tp: int, temperature_kind: str, entropy: bool
 
     device = prepare_device("cpu")
     from backend.distributed import init_parallel
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 

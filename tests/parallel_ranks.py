@@ -12,10 +12,12 @@ def global_batch(vocab: int) -> torch.Tensor:
 
 def _sync_grads(model, groups) -> None:
     """What mcore's DDP + finalize_model_grads do: DP sums, and TP sums of sequence-parallel params."""
+    from backend.grads import is_expert
+
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        dense_or_expert = "edp" if ".mlp.experts." in name else "dp"
+        dense_or_expert = "edp" if is_expert(param) else "dp"
         dist.all_reduce(param.grad, group=getattr(groups, dense_or_expert))
         if groups.size("tp") > 1 and (
             getattr(param, "sequence_parallel", False)
@@ -75,8 +77,8 @@ def run_plan(
         _untagged_norms()
     from backend.distributed import init_parallel
     from backend.forward import token_log_probs
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
 
@@ -133,8 +135,8 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     device = prepare_device("cpu")
     from backend.actor import McoreActor, OptimConfig
     from backend.distributed import init_parallel
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
 

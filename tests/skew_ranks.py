@@ -35,9 +35,9 @@ def skewed_and_balanced(rank: int, assumed_skew: float) -> dict:
     device = prepare_device("cpu")
     from backend.distributed import init_parallel
     from backend.forward import forward_logits
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
     from backend.monitor import ExpertLoadMonitor, SkewGuard
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from backend.router_tap import RouterTap, router_modules
     from parallel.measure import saved_bytes_inside
     from recipes.local.tiny_model import tiny_config

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from backend.actor import McoreActor, OptimConfig
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import build_model
+from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
-from converters.qwen3_moe import load_hf_into_model
+from converters.table import load_hf_into_model
 from tests.multiproc import run_ranks
 from tests.parallel_ranks import global_batch, nll_token_mean, run_actor_step
 

@@ -137,10 +137,10 @@ def one_thread():
 
 
 def _tiny_mcore(groups, hf_dir, recompute=False):
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
-    from converters.qwen3_moe import load_hf_into_model
+    from converters.table import load_hf_into_model
 
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups, BuildOptions(recompute=recompute))
@@ -295,8 +295,8 @@ def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
     from backend.device import prepare_device
     from backend.distributed import init_parallel
     from backend.grads import sync_grads
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 

@@ -65,9 +65,9 @@ def test_transformers_loads_the_export_with_the_same_logits(sharded_hf_dir, tiny
 def test_dist_checkpoint_loads_into_the_mcore_model(world1, tiny_hf_dir, mcore_dir):
     from megatron.core import dist_checkpointing
 
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
-    from converters.qwen3_moe import load_hf_into_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
+    from converters.table import load_hf_into_model
 
     spec = load_qwen3_moe_spec(tiny_hf_dir)
     ref, model = build_model(spec, world1), build_model(spec, world1)
@@ -126,8 +126,8 @@ def test_verl_loads_the_checkpoint_and_its_layout_exports(world1, tiny_hf_dir, m
     pytest.importorskip("verl")
     from megatron.core import dist_checkpointing
 
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
 
     try:
         from verl.utils.model import load_mcore_dist_weights

@@ -34,8 +34,8 @@ def load_run_save(
 
     from backend.distributed import init_parallel
     from backend.forward import forward_logits
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from tests.parallel_ranks import _gather_vocab
 
     spec, logits = load_qwen3_moe_spec(hf_dir), {}

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.grouped_gemm import grouped_linear, resolve_impl
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import BuildOptions, build_model
+from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.sharding import expanded_parameters
 from recipes.local.tiny_model import tiny_config
 from tests.torch_features import needs_grouped_mm

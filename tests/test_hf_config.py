@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from backend.hf_config import ConfigError, load_qwen3_moe_spec
+from backend.qwen3_moe import ConfigError, load_qwen3_moe_spec
 from parallel.models import TINY_QWEN3_MOE
 from recipes.local.tiny_model import tiny_config
 

@@ -70,8 +70,8 @@ def test_no_grad_pass_keeps_nothing(world1):
 
 @pytest.fixture(scope="module")
 def tiny_model(world1, tiny_hf_dir):
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 

@@ -3,18 +3,10 @@
 import pytest
 import torch
 
-from backend.hf_config import load_qwen3_moe_spec
+from backend.qwen3_moe import fuse_experts, load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import CheckpointError, read_state_dict
-from converters.qwen3_moe import (
-    ExpertSlice,
-    MappingError,
-    fuse_experts,
-    fuse_qkv,
-    hf_to_mcore,
-    mcore_to_hf,
-    split_qkv,
-    unfuse_experts,
-)
+from converters.mappings import fuse_qkv, split_qkv
+from converters.table import ExpertSlice, MappingError, hf_to_mcore, mcore_to_hf
 
 
 def _assert_bit_exact(a: dict, b: dict):

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from backend.hf_config import load_qwen3_moe_spec
+from backend.qwen3_moe import load_qwen3_moe_spec
 from parallel.activations import layer_activation_bytes, stage_activation_bytes
 from parallel.memory import DEVICE_MEMORY_GIB, MemoryOptions, estimate_memory
 from parallel.models import QWEN3_30B_A3B, load_spec

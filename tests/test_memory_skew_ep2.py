@@ -4,7 +4,7 @@ warns; with balanced routing it stays silent."""
 
 import pytest
 
-from backend.hf_config import load_qwen3_moe_spec
+from backend.qwen3_moe import load_qwen3_moe_spec
 from parallel.activations import OURS_ON_CPU_KERNELS, layer_activation_bytes
 from parallel.plan import ParallelPlan
 from recipes.local.tiny_model import tiny_config

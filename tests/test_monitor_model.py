@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from backend.forward import forward_logits, token_log_probs
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import BuildOptions, build_model
 from backend.monitor import ExpertLoadMonitor, load_report, tensorboard_writer
 from backend.monitor.cli import main as monitor_cli
+from backend.qwen3_moe import load_qwen3_moe_spec
 from backend.router_tap import RouterTap
 from converters.hf_io import read_state_dict
-from converters.qwen3_moe import load_hf_into_model
+from converters.table import load_hf_into_model
 
 pytestmark = pytest.mark.mcore_compat
 BATCH, SEQ = 4, 16  # BATCH even: EP2 ranks are DP peers and need equal shapes

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 def rank_counts(rank, hf_dir, tp, ep, etp):
     from backend.device import prepare_device
     from backend.distributed import init_parallel
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
     from backend.monitor import ExpertLoadMonitor
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from backend.router_tap import RouterTap
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded

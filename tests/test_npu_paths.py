@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from backend.forward import causal_mask, forward_logits, is_causal_mask
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import BuildOptions, build_model
+from backend.qwen3_moe import load_qwen3_moe_spec
 from recipes.local.tiny_model import tiny_config
 
 pytestmark = pytest.mark.mcore_compat

@@ -6,10 +6,10 @@ from packaging.version import Version
 
 from backend.compat import mcore_version
 from backend.forward import forward_logits, token_log_probs
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import build_model
+from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
-from converters.qwen3_moe import load_hf_into_model
+from converters.table import load_hf_into_model
 from tests.multiproc import run_ranks
 from tests.parallel_ranks import BATCH, SEQ, global_batch, run_plan
 

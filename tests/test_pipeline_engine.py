@@ -55,8 +55,8 @@ def pipeline_rank(rank: int, hf_dir: str, ckpt: str) -> dict:
     prepare_device("cpu")
     from verl.workers.utils.padding import response_from_nested
 
+    from backend.qwen3_moe import unfuse_experts
     from converters.hf_io import read_state_dict
-    from converters.qwen3_moe import unfuse_experts
     from tests import test_verl_engine as t
 
     engine = t.build_engine(hf_dir, pipeline_model_parallel_size=2, **SETTINGS)

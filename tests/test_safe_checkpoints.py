@@ -97,8 +97,8 @@ def megatron_save(tmp_path_factory, tiny_hf_dir, world1):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
 
     model = build_model(load_qwen3_moe_spec(tiny_hf_dir), world1)
     state = model.sharded_state_dict()

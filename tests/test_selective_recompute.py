@@ -6,11 +6,11 @@ ones (SequentialMLP, DotProductAttention) with recompute none / selective / full
 import pytest
 import torch
 
-from backend.hf_config import load_qwen3_moe_spec
 from backend.model import BuildOptions, build_model, transformer_config
+from backend.qwen3_moe import load_qwen3_moe_spec
 from backend.recompute import recompute_mode
 from converters.hf_io import read_state_dict
-from converters.qwen3_moe import load_hf_into_model
+from converters.table import load_hf_into_model
 from tests.test_monitor_model import actor_step, batch
 
 pytestmark = pytest.mark.mcore_compat

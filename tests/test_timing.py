@@ -97,8 +97,8 @@ def test_misuse_is_refused_and_disabled_timer_is_silent():
 
 
 def _tiny_model(groups):
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.local.tiny_model import tiny_config
 
     torch.manual_seed(0)

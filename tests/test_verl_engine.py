@@ -16,10 +16,10 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import response_from_nested
 
 from backend.common import round_up
-from backend.hf_config import load_qwen3_moe_spec
+from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
-from converters.qwen3_moe import mcore_to_hf, unfuse_experts
 from converters.sharding import gather_full
+from converters.table import mcore_to_hf
 from recipes.dapo import weights
 from recipes.dapo.overrides import AUX_LOSS
 

@@ -25,8 +25,8 @@ def engine_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import response_from_nested
 
+    from backend.qwen3_moe import unfuse_experts
     from converters.hf_io import read_state_dict
-    from converters.qwen3_moe import unfuse_experts
     from tests import test_verl_engine as t
 
     engine = t.build_engine(hf_dir, tp=tp, ep=ep)

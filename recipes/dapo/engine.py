@@ -134,7 +134,7 @@ class McoreEpEngine(BaseEngine):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         from backend.device import prepare_device
         from backend.distributed import init_parallel
-        from backend.hf_config import load_qwen3_moe_spec
+        from backend.families import load_spec
 
         super().__init__()
         self.model_config, self.engine_config = model_config, engine_config
@@ -148,7 +148,7 @@ class McoreEpEngine(BaseEngine):
                 f"megatron-core is already set up with another plan than {plan}: "
                 "actor and reference must use the same mcore_ep plan"
             )
-        self.spec = load_qwen3_moe_spec(model_config.local_path)
+        self.spec = load_spec(model_config.local_path)
         if self.spec.num_layers % plan["pp"]:
             raise ValueError(
                 f"pp={plan['pp']} does not divide the model's {self.spec.num_layers} layers: "

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from backend.hf_config import Qwen3MoeSpec
+from backend.qwen3_moe import Qwen3MoeSpec
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
-from converters.qwen3_moe import expand_table, split_row
 from converters.sharding import iter_full
+from converters.table import expand_table, split_row
 
 FORMAT = "mcore-moe-dapo/torch_dist/1"
 MODEL_DIR = "model/dist_ckpt"  # verl's layout, which converters.dist_read finds

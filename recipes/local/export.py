@@ -58,8 +58,8 @@ def _logits_diff(actor: Path, export: Path) -> float:
     from backend.device import prepare_device
     from backend.distributed import destroy_parallel, init_parallel
     from backend.forward import forward_logits
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.dapo import weights
 
     probe_BS = _probe_BS(AutoTokenizer.from_pretrained(export))

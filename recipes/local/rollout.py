@@ -67,7 +67,7 @@ class CpuRolloutServer:
 
     def finish_weights(self, global_steps=None) -> int:
         """Load the whole received set (HF hub names) into the model; strict: all or nothing."""
-        from converters.qwen3_moe import fuse_experts
+        from backend.qwen3_moe import fuse_experts
 
         state, self.pending = fuse_experts(self.pending), {}
         expected = {k: v.shape for k, v in self.model.state_dict().items()}

@@ -39,10 +39,10 @@ def main(argv=None) -> int:
 
     from backend.distributed import init_parallel
     from backend.forward import forward_logits, next_token_log_probs
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
-    from converters.qwen3_moe import load_hf_into_model, model_to_hf
+    from converters.table import load_hf_into_model, model_to_hf
     from recipes.local.tiny_model import make_tiny_checkpoint
 
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ GB = 1e9
 
 def hf_tensor_list(config: dict):
     """Name, shape and dtype of every HF tensor: the converters' own layout and table."""
-    from backend.hf_config import load_qwen3_moe_spec
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.convert import hf_specs
     from converters.layout import build_layout
 

@@ -61,8 +61,8 @@ def _max_rss_bytes() -> int:
 def build(args):
     from backend.device import prepare_device
     from backend.distributed import init_parallel
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.local.tiny_model import tiny_config
 
     groups = init_parallel(prepare_device("cpu"))

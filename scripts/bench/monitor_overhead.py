@@ -103,8 +103,8 @@ def shape_of(args) -> dict:
 
 def build(shape: dict, device: str, dtype: torch.dtype):
     from backend.distributed import init_parallel
-    from backend.hf_config import load_qwen3_moe_spec
     from backend.model import BuildOptions, build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.local.tiny_model import tiny_config
 
     groups = init_parallel(device)

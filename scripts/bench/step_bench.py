@@ -298,7 +298,7 @@ def compare_to_reference(results: list[dict]) -> None:
 def setup(args, systems: list[str]) -> dict:
     """Device, process groups (mcore only), spec, shape and the batch of token ids."""
     from backend.device import prepare_device, resolve_device
-    from backend.hf_config import load_qwen3_moe_spec
+    from backend.qwen3_moe import load_qwen3_moe_spec
 
     device = resolve_device(args.device)
     groups, mcore_error = None, None

@@ -5,20 +5,18 @@ and both spellings transformers has used: `num_experts` / `num_local_experts` an
 `rope_theta` / `rope_parameters.rope_theta`.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from backend.families import ConfigError, read_config
 
 MODEL_TYPE = "qwen3_moe"
 
 
-class ConfigError(ValueError):
-    """The HF config cannot describe a Qwen3-MoE model this backend builds."""
-
-
 @dataclass(frozen=True)
 class Qwen3MoeSpec:
+    model_type: ClassVar[str] = MODEL_TYPE  # its family: backend.families.family_of
+
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -65,26 +63,6 @@ class Qwen3MoeSpec:
         return self.num_heads // self.num_kv_heads
 
 
-def _read_dict(source: Any) -> dict:
-    if isinstance(source, dict):
-        return dict(source)
-    if hasattr(source, "to_dict"):
-        return source.to_dict()
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"no config.json at {path}: pass an HF checkpoint directory or its config.json"
-        )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{path} is not valid JSON ({err}): re-download or re-export the config"
-        ) from err
-
-
 def _first(cfg: dict, *keys: str) -> Any:
     for key in keys:
         if cfg.get(key) is not None:
@@ -129,7 +107,11 @@ def _check_architecture(cfg: dict) -> None:
 
 def load_qwen3_moe_spec(source: Any) -> Qwen3MoeSpec:
     """Validated spec from a Qwen3MoeConfig, dict, config.json path or checkpoint dir."""
-    cfg = _read_dict(source)
+    return spec_from_config(read_config(source))
+
+
+def spec_from_config(cfg: dict) -> Qwen3MoeSpec:
+    """Validated spec from a config.json dict."""
     _check_architecture(cfg)
     num_heads = int(_first(cfg, "num_attention_heads"))
     hidden = int(_first(cfg, "hidden_size"))
