@@ -50,52 +50,66 @@ def current_groups() -> ProcessGroups:
     )
 
 
-def init_parallel(
-    device: str,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    cp: int = 1,
-    seed: int = 1234,
-    init_method: str | None = None,
-) -> ProcessGroups:
-    """Join the process group (env:// under torchrun, a single rank otherwise) and set up mcore.
+def job_world() -> int:
+    """This job's ranks: the process group's, or (before it exists) torchrun's / Ray's env."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.getenv("WORLD_SIZE", "1"))
 
-    Call `prepare_device` first. `etp` defaults to 1 (experts not tensor-parallel), the
-    Qwen3-MoE recipe's choice.
-    """
+
+def init_parallel(
+    device: str, plan=None, seed: int = 1234, init_method: str | None = None
+) -> ProcessGroups:
+    """Join the process group (env:// under torchrun, a single rank otherwise) and set up
+    megatron-core's groups for `plan` (a parallel.plan.ParallelPlan over exactly this job's
+    ranks; None: every size 1). Call `prepare_device` first.
+
+    When megatron-core is already set up (a second engine in the same process, e.g. actor and
+    reference), its groups must be the plan's."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from parallel.plan import ParallelPlan
+
     if not dist.is_initialized():
-        rank = int(os.environ.get("RANK", 0))
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        if init_method is None and "MASTER_ADDR" not in os.environ:
-            if world != 1:
-                raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch with torchrun")
-            # a lone rank needs no rendezvous: an in-process store, no port
-            dist.init_process_group(
-                dist_backend(device), store=dist.HashStore(), rank=0, world_size=1
-            )
-        else:
-            dist.init_process_group(
-                dist_backend(device), init_method=init_method, rank=rank, world_size=world
-            )
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        _join(device, init_method)
+    world = dist.get_world_size()
+    plan = plan or ParallelPlan.for_world(world)
+    if plan.world != world:
+        raise ValueError(f"plan {plan.describe()} is for {plan.world} ranks, this job has {world}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp or 1,
+            tensor_model_parallel_size=plan.tp,
+            pipeline_model_parallel_size=plan.pp,
+            context_parallel_size=plan.cp,
+            expert_model_parallel_size=plan.ep,
+            expert_tensor_parallel_size=plan.etp,
+        )
+    groups = current_groups()
+    sizes = {d: groups.size(d) for d in ("tp", "pp", "cp", "ep", "etp")}
+    if sizes != {d: getattr(plan, d) for d in sizes}:
+        raise ValueError(
+            f"megatron-core is already set up with {sizes}, not plan {plan.describe()}: "
+            "every engine of a process (actor, reference) must use the same plan"
         )
     # No CUDA RNG on CPU: the inference tracker keeps plain torch RNG (dropout is 0 here).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=(device == "cpu"))
     torch.manual_seed(seed)
-    return current_groups()
+    return groups
+
+
+def _join(device: str, init_method: str | None) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        if world != 1:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch with torchrun")
+        # a lone rank needs no rendezvous: an in-process store, no port
+        dist.init_process_group(dist_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(
+            dist_backend(device), init_method=init_method, rank=rank, world_size=world
+        )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def destroy_parallel() -> None:

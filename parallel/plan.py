@@ -82,6 +82,16 @@ class ParallelPlan:
         """Expert data-parallel size: replicas of each expert shard."""
         return self.world // (self.etp * self.ep * self.pp)
 
+    @classmethod
+    def for_world(cls, world: int, **dims: int) -> "ParallelPlan":
+        """The plan of `world` ranks seen as one node (what a running job knows)."""
+        return cls(nodes=1, devices_per_node=world, **dims)
+
+    def record(self) -> dict[str, int]:
+        """The sizes a checkpoint records (meta.json "plan"): resume needs the same."""
+        return dict(tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp, cp=self.cp, dp=self.dp,
+                    world=self.world)  # fmt: skip
+
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
         return (

@@ -3,6 +3,8 @@
 
 import torch
 
+from tests.multiproc import job_plan
+
 BATCH, SEQ = 3, 12  # SEQ a multiple of tp (sequence parallel)
 CHUNK_TOKENS = 7  # several chunks, one of them partial, over BATCH * SEQ = 36 tokens
 
@@ -51,7 +53,7 @@ def run_tp(rank: int, hf_dir: str, tp: int, temperature_kind: str, entropy: bool
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 
-    groups = init_parallel(device, tp=tp, etp=tp)
+    groups = init_parallel(device, job_plan(tp=tp, etp=tp))
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups)
     load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)

@@ -82,3 +82,11 @@ def run_plans(fn, world: int, plans: list, *args, timeout: float = 300.0) -> lis
     megatron-core and verl, and join the world once."""
     per_rank = run_ranks(_each_plan, world, fn, list(plans), args, timeout=timeout)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(plans))]
+
+
+def job_plan(**dims: int):
+    """The ParallelPlan of these sizes over this job's ranks (init_parallel's argument)."""
+    from backend.distributed import job_world
+    from parallel.plan import ParallelPlan
+
+    return ParallelPlan.for_world(job_world(), **dims)

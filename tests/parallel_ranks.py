@@ -3,6 +3,8 @@
 import torch
 import torch.distributed as dist
 
+from tests.multiproc import job_plan
+
 BATCH, SEQ = 4, 16
 
 
@@ -82,7 +84,7 @@ def run_plan(
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
 
-    groups = init_parallel(device, tp=tp, ep=ep, pp=pp, etp=etp)
+    groups = init_parallel(device, job_plan(tp=tp, ep=ep, pp=pp, etp=etp))
     spec = load_qwen3_moe_spec(hf_dir)
     modules = dict(experts="grouped", attention="sdpa") if fast else {}
     model = build_model(spec, groups, BuildOptions(**modules))
@@ -140,7 +142,7 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
 
-    groups = init_parallel(device, tp=tp, ep=ep)
+    groups = init_parallel(device, job_plan(tp=tp, ep=ep))
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups)
     load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)

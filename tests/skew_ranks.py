@@ -7,6 +7,8 @@ expert t % (E/ep) of every EP rank (top_k == ep in the tiny model), so both rank
 
 import torch
 
+from tests.multiproc import job_plan
+
 TOKENS = 64
 
 
@@ -42,7 +44,7 @@ def skewed_and_balanced(rank: int, assumed_skew: float) -> dict:
     from parallel.measure import saved_bytes_inside
     from recipes.local.tiny_model import tiny_config
 
-    groups = init_parallel(device, ep=2)
+    groups = init_parallel(device, job_plan(ep=2))
     spec = load_qwen3_moe_spec(tiny_config())
     torch.manual_seed(0)
     options = BuildOptions(device="cpu", experts="grouped", attention="sdpa")

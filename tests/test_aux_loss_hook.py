@@ -299,9 +299,10 @@ def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
+    from tests.multiproc import job_plan
 
     tp, etp, splits, _ = PLANS[plan]
-    groups = init_parallel(prepare_device("cpu"), tp=tp, etp=etp)
+    groups = init_parallel(prepare_device("cpu"), job_plan(tp=tp, etp=etp))
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups)
     load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)

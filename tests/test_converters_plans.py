@@ -9,7 +9,7 @@ import torch
 from converters.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from converters.hf_io import read_state_dict
 from converters.manifest import write_manifest
-from tests.multiproc import run_ranks
+from tests.multiproc import job_plan, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore_compat]
 
@@ -41,7 +41,7 @@ def load_run_save(
     spec, logits = load_qwen3_moe_spec(hf_dir), {}
     opts = BuildOptions(experts="grouped", attention="sdpa") if fast else BuildOptions()
     for name, (tp, ep, pp, etp) in PLANS.items():
-        groups = init_parallel(device, tp=tp, ep=ep, pp=pp, etp=etp)
+        groups = init_parallel(device, job_plan(tp=tp, ep=ep, pp=pp, etp=etp))
         model = build_model(spec, groups, opts)
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
         if pp == 1:

@@ -9,7 +9,7 @@ would double count).
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from tests.multiproc import job_plan, run_ranks
 from tests.test_monitor_model import actor_step, batch, tiny_actor
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def rank_counts(rank, hf_dir, tp, ep, etp):
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 
-    groups = init_parallel(prepare_device("cpu"), tp=tp, ep=ep, etp=etp)
+    groups = init_parallel(prepare_device("cpu"), job_plan(tp=tp, ep=ep, etp=etp))
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups)
     load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)

@@ -6,7 +6,7 @@ import pytest
 
 from parallel.layout import GROUP_NAMES, RankLayout
 from parallel.plan import ParallelPlan, PlanError
-from tests.multiproc import run_ranks
+from tests.multiproc import job_plan, run_ranks
 
 # (tp, pp, cp, ep, etp) run inside one spawn per world size
 PLANS_8 = [
@@ -94,7 +94,7 @@ def _megatron_groups(rank: int, world: int, plans: list) -> list[dict]:
 
     found = []
     for tp, pp, cp, ep, etp in plans:
-        groups = init_parallel("cpu", tp=tp, pp=pp, ep=ep, etp=etp, cp=cp)
+        groups = init_parallel("cpu", job_plan(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp))
         found.append({f: tuple(dist.get_process_group_ranks(getattr(groups, f))) for f in FIELDS})
         ps.destroy_model_parallel()  # keep the world process group for the next plan
     dist.destroy_process_group()

@@ -234,13 +234,15 @@ def test_verl_composes_and_validates_the_overrides(device, files):
 
     from recipes.dapo.config import McoreEpActorConfig, McoreEpEngineConfig
 
-    cli = launch.overrides.to_cli(resolved(device, files).groups)
+    run = resolved(device, files)
+    cli = launch.overrides.to_cli(run.groups)
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=cli)
     validate_config(cfg, use_reference_policy=False, use_critic=False)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, McoreEpActorConfig) and isinstance(actor.engine, McoreEpEngineConfig)
-    assert actor.engine.plan() == {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
+    # the launcher's plan is the one the engine builds on the job's ranks
+    assert actor.engine.plan(run.run.plan.world).record() == run.run.plan.record()
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 10.0)
     assert (actor.optim.lr, actor.optim.lr_warmup_steps, actor.optim.weight_decay) == (
         1e-6,

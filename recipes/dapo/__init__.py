@@ -12,3 +12,15 @@ See recipes/README.md.
 """
 
 BACKEND = "mcore_ep"  # the EngineRegistry backend name (actor.strategy)
+
+
+def check_actor_cp(cp: int) -> None:
+    """The one plan limit of this actor beyond megatron-core's and the model's: no context
+    parallelism (its batches and router instruments do not split sequences)."""
+    if cp != 1:
+        from parallel.plan import PlanError
+
+        raise PlanError(
+            f"cp={cp}: the mcore_ep actor runs cp=1; scale with --tp, --pp and --ep "
+            "(python -m parallel --auto)"
+        )

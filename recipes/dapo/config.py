@@ -14,7 +14,7 @@ from verl.workers.config.engine import EngineConfig
 
 from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
-from recipes.dapo import BACKEND
+from recipes.dapo import BACKEND, check_actor_cp
 
 
 class EngineConfigError(ValueError):
@@ -67,13 +67,10 @@ class McoreEpEngineConfig(EngineConfig):
                 f"strategy={self.strategy!r} is not {BACKEND!r}: use McoreEpActorConfig "
                 f"only with actor.strategy={BACKEND}"
             )
-        if self.context_parallel_size != 1:
-            raise EngineConfigError(
-                f"cp={self.context_parallel_size}: the mcore_ep actor runs cp=1; use tp, pp, "
-                "ep and dp instead (python -m parallel --auto)"
-            )
-        if self.pipeline_model_parallel_size < 1:
-            raise EngineConfigError(f"pp={self.pipeline_model_parallel_size}: use pp >= 1")
+        try:
+            check_actor_cp(self.context_parallel_size)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         try:
             recompute_mode(self.recompute)
         except ValueError as e:
@@ -92,14 +89,18 @@ class McoreEpEngineConfig(EngineConfig):
                 f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"
             )
 
-    def plan(self) -> dict[str, int]:
-        return {
-            "tp": self.tensor_model_parallel_size,
-            "ep": self.expert_model_parallel_size,
-            "etp": self.expert_tensor_parallel_size,
-            "pp": self.pipeline_model_parallel_size,
-            "cp": self.context_parallel_size,
-        }
+    def plan(self, world: int):
+        """The parallel.plan.ParallelPlan of these sizes over `world` ranks (validated there)."""
+        from parallel.plan import ParallelPlan
+
+        return ParallelPlan.for_world(
+            world,
+            tp=self.tensor_model_parallel_size,
+            ep=self.expert_model_parallel_size,
+            etp=self.expert_tensor_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            cp=self.context_parallel_size,
+        )
 
     @property
     def resolved_attention(self) -> str:

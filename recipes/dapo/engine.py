@@ -133,27 +133,18 @@ class _ModeCtx(BaseEngineCtx):
 class McoreEpEngine(BaseEngine):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         from backend.device import prepare_device
-        from backend.distributed import init_parallel
+        from backend.distributed import init_parallel, job_world
         from backend.families import load_spec
+        from parallel.plan import check_against_model
 
         super().__init__()
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.device = prepare_device(engine_device())
-        plan = engine_config.plan()
-        self.groups = init_parallel(self.device, seed=engine_config.seed, **plan)
-        self.plan = {**plan, "dp": self.groups.size("dp"), "world": dist.get_world_size()}
-        if any(self.groups.size(k) != v for k, v in plan.items()):
-            raise ValueError(
-                f"megatron-core is already set up with another plan than {plan}: "
-                "actor and reference must use the same mcore_ep plan"
-            )
+        self.plan = engine_config.plan(job_world())
         self.spec = load_spec(model_config.local_path)
-        if self.spec.num_layers % plan["pp"]:
-            raise ValueError(
-                f"pp={plan['pp']} does not divide the model's {self.spec.num_layers} layers: "
-                "choose a pp that does (python -m parallel --auto)"
-            )
+        check_against_model(self.plan, self.spec)  # before any group exists: one-line errors
+        self.groups = init_parallel(self.device, self.plan, seed=engine_config.seed)
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
@@ -573,7 +564,7 @@ class McoreEpEngine(BaseEngine):
         config_json = Path(self.model_config.local_hf_config_path) / "config.json"
         weights.save_model(self.module, root / weights.MODEL_DIR, config_json, self.device)
         if rank == 0:
-            weights.save_meta(root, global_step, self.plan, self.experts)
+            weights.save_meta(root, global_step, self.plan.record(), self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
         if with_optim:
             # params stay loaded: the sharded optimizer state refers to the model's shards
@@ -593,10 +584,10 @@ class McoreEpEngine(BaseEngine):
         contents = set(self.checkpoint_config.get("load_contents", ["model", "optimizer", "extra"]))
         with_optim = self.optim is not None and "optimizer" in contents
         saved = (meta["plan"], meta.get("experts", "sequential"))
-        if with_optim and saved != (self.plan, self.experts):
+        if with_optim and saved != (self.plan.record(), self.experts):
             raise weights.CheckpointError(
                 f"{root} holds optimizer state for plan {saved[0]} with {saved[1]} experts, this "
-                f"run is {self.plan} with {self.experts} experts: resume with the same plan and "
+                f"run is {self.plan.record()} with {self.experts} experts: resume with the same plan and "
                 "experts setting, or export its weights (python -m converters mcore-to-hf) and "
                 "start from them"
             )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, cluster, data, overrides, stack
+from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -225,11 +225,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
     dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in CLUSTER_PLAN.items()}
-    if dims["cp"] != 1:
-        raise PlanError(
-            f"cp={dims['cp']}: the mcore_ep actor runs cp=1; "
-            "scale with --tp, --pp and --ep (python -m parallel --auto)"
-        )
+    check_actor_cp(dims["cp"])
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
     model_fit = plan_for_model(
