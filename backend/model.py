@@ -175,15 +175,18 @@ def tag_experts(model: torch.nn.Module) -> int:
     dense ones' (`tag_expert_replicas`); generic code (backend.grads) asks `is_expert`, not
     parameter names. Returns how many parameters were tagged.
     """
+    experts = _expert_params(model)
+    for param in experts:
+        param.is_expert = True
+    return len(experts)
+
+
+def _expert_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of every MoE layer's experts module."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    tagged = 0
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            for param in module.experts.parameters():
-                param.is_expert = True
-                tagged += 1
-    return tagged
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    return [param for layer in layers for param in layer.experts.parameters()]
 
 
 def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
@@ -201,15 +204,10 @@ def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
     """
     if groups.size("edp") == groups.size("dp") * groups.size("cp"):
         return 0  # ep == 1, etp == tp: the same replicas (ep > 1: megatron-core tagged them)
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    tagged = 0
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            for param in module.experts.parameters():
-                param.allreduce = False
-                tagged += 1
-    return tagged
+    experts = _expert_params(model)
+    for param in experts:
+        param.allreduce = False
+    return len(experts)
 
 
 # norms over the hidden size, applied to the sequence shard each TP rank holds under sequence
