@@ -495,3 +495,18 @@ def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, c
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
+
+
+def test_compute_after_an_explicit_offload_without_offload_configured(make_engine):
+    """to("cpu") frees the parameter buffers; the next train/eval context brings them back
+    (it segfaulted before: verl's context onloads only when offload is configured)."""
+    engine, data = make_engine(), make_batch()
+    with engine.eval_mode():
+        before = engine.infer_batch(data)["model_output"]["log_probs"]
+    engine.to("cpu")
+    assert engine.optim.is_offloaded()
+    with engine.eval_mode():
+        after = engine.infer_batch(data)["model_output"]["log_probs"]
+    assert not engine.optim.is_offloaded()
+    for a, b in zip(after.unbind(), before.unbind(), strict=True):
+        assert torch.equal(a, b)

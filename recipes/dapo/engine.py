@@ -108,6 +108,11 @@ class _ModeCtx(BaseEngineCtx):
             super().__enter__()
         finally:
             self._entering = False
+        optim = self.engine.optim
+        if optim is not None and optim.is_offloaded():
+            # an explicit to("cpu") on an engine without param offload configured (verl
+            # pairs its own calls only with offload on): compute needs the parameters back
+            self.engine.onload(model=True, optimizer=False, grad=True)
         self.engine.model.train(self.mode == "train")
 
     def _context_switch(self, device):
