@@ -9,12 +9,13 @@ from backend.forward import token_log_probs
 from backend.lean_head import lean_log_probs
 from recipes.dapo.heads import vocab_parallel_entropy
 from tests.lean_head_ranks import compare_heads, run_tp
-from tests.multiproc import run_ranks
+from tests.multiproc import run_plans
 
 TEMPERATURES = ["one", "scalar", "rows"]
 
 
-def _assert_same(result: dict) -> None:
+def _assert_same(result: dict, case=None) -> None:
+    """Lean head outputs and gradients equal the full head's (case: named in failures)."""
     full, lean = result["full"], result["lean"]
     assert full["out"].keys() == lean["out"].keys()
     for k in full["out"]:
@@ -25,7 +26,11 @@ def _assert_same(result: dict) -> None:
         # rows, through the layers) keep the absolute error of the large ones they sum
         atol = 1e-6 * float(grad.abs().max())
         torch.testing.assert_close(
-            lean["grads"][name], grad, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            lean["grads"][name],
+            grad,
+            rtol=1e-5,
+            atol=atol,
+            msg=lambda m, n=name: f"{case} {n}: {m}",
         )
 
 
@@ -92,9 +97,14 @@ def test_model_heads_match_world1(tiny_model, monkeypatch, temperature, entropy)
     _assert_same(compare_heads(model, vocab, temperatures(temperature), entropy))
 
 
+TP2_CASES = [("one", False), ("rows", True), ("scalar", True)]  # (temperature, entropy)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature, entropy", [("one", False), ("rows", True), ("scalar", True)])
-def test_model_heads_match_tp2(tiny_hf_dir, temperature, entropy):
-    """tp2 with sequence parallelism (etp2: 0.12.1 needs it): each rank's vocab shard."""
-    for result in run_ranks(run_tp, 2, str(tiny_hf_dir), 2, temperature, entropy):
-        _assert_same(result)
+def test_model_heads_match_tp2(tiny_hf_dir):
+    """tp2 with sequence parallelism (etp2: 0.12.1 needs it): each rank's vocab shard; the
+    temperature / entropy cases in one spawn."""
+    per_case = run_plans(run_tp, 2, TP2_CASES, str(tiny_hf_dir), 2)
+    for case, results in zip(TP2_CASES, per_case, strict=True):
+        for result in results:
+            _assert_same(result, case)
