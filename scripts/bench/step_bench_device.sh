@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Step benchmark (scripts/bench/step_bench.py) on a one-GPU machine with torch and transformers
-# but no megatron-core and no internet: the presets 4L (with --breakdown) then 12L, each under a
-# timeout so the whole script stays under ~8 minutes. JSON goes to ${OUT:-.}/step_4L.json and
-# step_12L.json (rewritten after each system, so a timeout still leaves the systems done so far),
-# logs to step_*.log there; both JSON documents are printed at the end.
+# but no megatron-core, no verl and no internet: the presets 4L (with --breakdown) then 12L, then
+# packed vs padded micro-batches on the 4L layers (scripts/bench/packed_layers.py), each under a
+# timeout (240 + 165 + 120 s) so the whole script stays under ~10 minutes. JSON goes to
+# ${OUT:-.}/step_4L.json and step_12L.json (rewritten after each system, so a timeout still
+# leaves the systems done so far) and packed_4L.json, logs to step_*.log / packed_4L.log there;
+# the JSON documents are printed at the end.
 #
 # megatron-core travels as a wheel in .whl/ at the repository root (git-ignored). Download it
 # first, on a machine with internet (the version pinned in pyproject.toml):
@@ -33,10 +35,23 @@ run_preset() {  # preset, timeout in seconds, extra flags
     tr '\r' '\n' <"$OUT_DIR/step_$preset.log" | grep -v -e "systems:" -e "^[[:space:]]*$" | tail -n 8  # per-system lines, last error
 }
 
-run_preset 4L 270 --breakdown
-run_preset 12L 180
+run_packed() {  # preset, timeout in seconds: packed vs padded forward + backward, same rows
+    local preset=$1 limit=$2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" python3 scripts/bench/packed_layers.py --preset "$preset" \
+        --device cuda --out "$OUT_DIR/packed_$preset.json" >/dev/null 2>"$OUT_DIR/packed_$preset.log"
+    echo "== packed vs padded $preset: exit $? after $((SECONDS - start)) s (124 = timed out)"
+    grep "^\[packed_layers\]" "$OUT_DIR/packed_$preset.log" | tail -n 4
+    tail -n 3 "$OUT_DIR/packed_$preset.log"  # the error, if it failed
+}
+
+run_preset 4L 240 --breakdown
+run_preset 12L 165
+run_packed 4L 120
 
 for preset in 4L 12L; do
     echo "== $OUT_DIR/step_$preset.json"
     cat "$OUT_DIR/step_$preset.json" 2>/dev/null || echo "(not written)"
 done
+echo "== $OUT_DIR/packed_4L.json"
+cat "$OUT_DIR/packed_4L.json" 2>/dev/null || echo "(not written)"
