@@ -9,7 +9,7 @@ would double count).
 import pytest
 import torch
 
-from tests.multiproc import job_plan, run_ranks
+from tests.multiproc import job_plan, run_plans
 from tests.test_monitor_model import actor_step, batch, tiny_actor
 
 pytestmark = pytest.mark.slow
@@ -57,23 +57,30 @@ def world1_counts(world1, tiny_hf_dir):
     return mon.local_counts()[0]
 
 
-@pytest.mark.parametrize("tp, ep", [(1, 2), (2, 1)], ids=["ep2", "tp2"])
-def test_reduced_counts_equal_world1(world1_counts, tiny_hf_dir, tp, ep):
+def _etp(tp: int, ep: int) -> int:
+    """1 (the recipe's choice; the router runs before the experts, so etp cannot matter), or
+    tp where megatron-core 0.12.1 needs the experts split over TP (ep == 1)."""
     from backend.compat import check_plan_supported
 
-    etp = 1  # the recipe's choice; the router runs before experts, so etp cannot matter
     try:
-        check_plan_supported(tp, ep, etp)
+        check_plan_supported(tp, ep, 1)
     except ValueError:
-        etp = tp  # megatron-core 0.12.1 needs experts split over TP when ep == 1
-    results = run_ranks(rank_counts, 2, str(tiny_hf_dir), tp, ep, etp, timeout=180)
-    print(
-        f"tp={tp} ep={ep} etp={etp}: rank-local assignments {[int(r['local'].sum()) for r in results]},"
-        f" world-1 {int(world1_counts.sum())}"
-    )
-    assert results[0]["plan"]["dp"] == 2 // tp  # ep2: ranks are DP peers; tp2: one DP rank
-    for r in results:
-        assert torch.equal(r["reduced"], world1_counts)
-        # every rank holds only part of the tokens: no rank alone (no smaller group) suffices
-        assert 0 < r["local"].sum() < world1_counts.sum()
-    assert torch.equal(sum(r["local"] for r in results), world1_counts)
+        return tp
+    return 1
+
+
+def test_reduced_counts_equal_world1(world1_counts, tiny_hf_dir):
+    """ep2 (ranks are DP peers) and tp2 (one DP rank), in one spawn."""
+    plans = [(tp, ep, _etp(tp, ep)) for tp, ep in ((1, 2), (2, 1))]
+    per_plan = run_plans(rank_counts, 2, plans, str(tiny_hf_dir), timeout=240)
+    for (tp, ep, etp), results in zip(plans, per_plan, strict=True):
+        print(
+            f"tp={tp} ep={ep} etp={etp}: rank-local assignments "
+            f"{[int(r['local'].sum()) for r in results]}, world-1 {int(world1_counts.sum())}"
+        )
+        assert results[0]["plan"]["dp"] == 2 // tp
+        for r in results:
+            assert torch.equal(r["reduced"], world1_counts), (tp, ep)
+            # every rank holds only part of the tokens: no rank alone (no smaller group) suffices
+            assert 0 < r["local"].sum() < world1_counts.sum()
+        assert torch.equal(sum(r["local"] for r in results), world1_counts)
