@@ -16,10 +16,12 @@ given, the explicit mask as is otherwise (its convention is megatron's).
 
 Packed sequences (PackedSeqParams, qkv_format "thd"; megatron hands [t, heads, d]): causal
 attention within each sequence of cu_seqlens. CUDA: flash-attn's varlen kernel when
-importable; otherwise, and on CPU (the exact reference), SDPA per sequence (`is_causal`,
-flash path on CUDA). Ascend: npu_fusion_attention in TND layout with actual_seq_qlen /
-actual_seq_kvlen (sparse_mode 3, causal per sequence) - written to torch_npu's documented
-interface, not run here (no NPU in CI).
+importable, otherwise SDPA per sequence (`is_causal`, flash path). CPU (the exact
+reference): torch's CPU flash kernel (what SDPA dispatches to there) per sequence, written
+into one output tensor (`_CpuPackedCausal`: no concatenated copy kept for backward; SDPA per
+sequence when training with attention dropout). Ascend: npu_fusion_attention in TND
+layout with actual_seq_qlen / actual_seq_kvlen (sparse_mode 3, causal per sequence) -
+written to torch_npu's documented interface, not run here (no NPU in CI).
 """
 
 import math
@@ -119,6 +121,10 @@ class SDPAttention(MegatronModule):
                 softmax_scale=self.softmax_scale, causal=True,
             )  # fmt: skip
             return out_THD.reshape(out_THD.shape[0], -1)
+        lengths = packed.cu_seqlens_q.diff().tolist()
+        if device == "cpu" and dropout == 0.0 and _cpu_flash_ops() is not None:
+            out_THD = _CpuPackedCausal.apply(q_THD, k_TGD, v_TGD, lengths, self.softmax_scale)
+            return out_THD.view(out_THD.shape[0], -1)
         return self._per_sequence(q_THD, k_TGD, v_TGD, packed.cu_seqlens_q, dropout)
 
     def _per_sequence(self, q_THD, k_TGD, v_TGD, cu_seqlens, dropout: float) -> torch.Tensor:
@@ -163,6 +169,60 @@ class SDPAttention(MegatronModule):
             sparse_mode=2 if causal else 0,
         )
         return out[0]
+
+
+class _CpuPackedCausal(torch.autograd.Function):
+    """Causal attention within each sequence, on CPU, into one [t, heads, d] output.
+
+    The same kernel F.scaled_dot_product_attention runs on CPU (its flash kernel), called per
+    sequence; each output is written into a slice of one preallocated tensor, which backward
+    keeps and linear_proj saves too (one copy, as on the padded path). Per-sequence SDPA +
+    torch.cat kept two per layer: SDPA's outputs for its backward and the concatenation.
+    """
+
+    @staticmethod
+    def forward(ctx, q_THD, k_TGD, v_TGD, lengths: list[int], scale: float):
+        flash, _ = _cpu_flash_ops()
+        out_THD = q_THD.new_empty(q_THD.shape)
+        lse = []
+        pieces = (t.split(lengths) for t in (q_THD, k_TGD, v_TGD, out_THD))
+        for q, k, v, out in zip(*pieces, strict=True):
+            o_HSD, lse_HS = flash(*(_hsd(t) for t in (q, k, v)), 0.0, True, scale=scale)
+            out.copy_(o_HSD[0].transpose(0, 1))
+            lse.append(lse_HS)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, *lse)
+        ctx.lengths, ctx.scale = lengths, scale
+        return out_THD
+
+    @staticmethod
+    def backward(ctx, grad_THD):
+        _, flash_backward = _cpu_flash_ops()
+        q_THD, k_TGD, v_TGD, out_THD, *lse = ctx.saved_tensors
+        grads = [torch.empty_like(t) for t in (q_THD, k_TGD, v_TGD)]
+        tensors = (grad_THD.contiguous(), q_THD, k_TGD, v_TGD, out_THD, *grads)
+        for pieces in zip(*(t.split(ctx.lengths) for t in tensors), lse, strict=True):
+            g, q, k, v, out, dq, dk, dv, lse_HS = pieces
+            args = (_hsd(t) for t in (g, q, k, v, out))
+            dq_dk_dv = flash_backward(*args, lse_HS, 0.0, True, scale=ctx.scale)
+            for into, d in zip((dq, dk, dv), dq_dk_dv, strict=True):
+                into.copy_(d[0].transpose(0, 1))
+        return *grads, None, None
+
+
+def _hsd(t_SHD: torch.Tensor) -> torch.Tensor:
+    return t_SHD.transpose(0, 1)[None]  # [1, heads, s, d], a view
+
+
+def _cpu_flash_ops():
+    """torch's CPU flash-attention forward / backward (what SDPA dispatches to on CPU), None
+    on a torch without them."""
+    ops = torch.ops.aten
+    if not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return None
+    return (
+        ops._scaled_dot_product_flash_attention_for_cpu,
+        ops._scaled_dot_product_flash_attention_for_cpu_backward,
+    )
 
 
 def _flash_varlen():

@@ -33,6 +33,45 @@ def test_real_token_planner_packs_first_fit_within_the_budget():
         plan_by_real_tokens(lengths, budget=8, multiple=1)
 
 
+def dapo_like_lengths(rows: int, seed: int, response_max: int) -> list[int]:
+    """Near-fixed prompts (48-80), log-normal responses (median 160), as the bench's mix."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(48, 81, (rows,), generator=gen)
+    responses = (160 * (torch.randn(rows, generator=gen) * 0.8).exp()).round()
+    return (prompts + responses.clamp(1, response_max).long()).tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("budget", [2048, 4096])
+def test_packed_plan_never_holds_more_slots_than_the_padded_plan(seed, tp, budget):
+    """One budget rule (micro_batch_slots): a packed micro-batch holds at most the slots of the
+    padded plan's largest micro-batch (rows x longest row), so packing cannot raise peak
+    activation memory; and it needs no more micro-batches."""
+    from recipes.dapo.batches import micro_batch_slots, packed_slot_budget, plan_lengths
+
+    lengths = dapo_like_lengths(64, seed, response_max=budget // 2)
+    padded = plan_lengths(lengths, budget, tp, packed=False)
+    packed = plan_lengths(lengths, budget, tp, packed=True)
+    padded_slots = [micro_batch_slots([lengths[i] for i in p], tp, False) for p in padded]
+    packed_slots = [micro_batch_slots([lengths[i] for i in p], tp, True) for p in packed]
+    assert packed_slot_budget(lengths, budget, tp) == max(padded_slots) <= budget
+    assert max(packed_slots) <= max(padded_slots)
+    assert len(packed) <= len(padded)
+    for plan in (padded, packed):
+        assert sorted(i for p in plan for i in p) == list(range(len(lengths)))
+    # balanced: the largest holds less than the cap whenever the count leaves room
+    assert max(packed_slots) <= -(-sum(lengths) // len(packed)) + max(lengths) + tp
+
+
+def test_packed_plan_balances_a_first_fit_remainder():
+    from recipes.dapo.batches import plan_by_real_tokens
+
+    lengths = [10, 10, 10, 1, 1]  # first fit at 21: [10, 10, 1], [10, 1] -> [10, 10], [10, 1, 1]
+    plans = plan_by_real_tokens(lengths, budget=21, multiple=1)
+    assert sorted(sum(lengths[i] for i in p) for p in plans) == [12, 20]
+
+
 def test_packed_micro_batch_layout_with_a_tp_tail():
     from backend.forward import packed_position_ids
     from recipes.dapo.batches import micro_batch, packed_micro_batch

@@ -7,9 +7,12 @@ right-padded [B, S] batches (causal mask: real tokens never see the padding) or,
 `mcore_ep.packed`, packed ones: a micro-batch's sequences concatenated into one [1, T] row
 with megatron-core's PackedSeqParams (THD; attention per sequence, RoPE restarting), only
 the total padded to a multiple of tp (that tail is one more pseudo-sequence, masked out):
-- padded micro-batches are planned on *padded* tokens (rows x longest row, S rounded up to a
-  multiple of tp for sequence parallelism), longest sequences first; packed ones on real
-  tokens (their sum, rounded up to tp), first-fit, longest first;
+- one budget rule (`micro_batch_slots`): the token slots a micro-batch's activations hold,
+  rows x longest row for padded ones (S rounded up to a multiple of tp for sequence
+  parallelism), the real total rounded up to tp for packed ones. Padded micro-batches hold at
+  most max_token_len_per_gpu slots (longest sequences first, greedily); packed ones at most
+  the largest padded micro-batch of the same rows (`packed_slot_budget`), so packing never
+  raises peak activation memory: as few micro-batches as first fit needs, then balanced;
 - every DP rank runs the same number of micro-batches: expert-parallel all-to-alls pair the
   k-th forward of every rank of an EP group, which spans DP replicas;
 - model outputs go back to verl as nested tensors in the caller's row order.
@@ -96,23 +99,44 @@ def _check_fits(longest: int, budget: int, multiple: int) -> None:
         )
 
 
+def micro_batch_slots(lengths: list[int], multiple: int, packed: bool) -> int:
+    """Token slots one micro-batch's activations hold, the unit every planner budgets: padded,
+    rows x longest row (rounded up to the multiple); packed, the real total rounded up."""
+    if not lengths:
+        return 0
+    if packed:
+        return _round_up(sum(lengths), multiple)
+    return len(lengths) * _round_up(max(lengths), multiple)
+
+
 def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
-    """Longest first, greedily: rows x padded longest row <= budget (padded tokens)."""
+    """Longest first, greedily: padded slots (rows x padded longest row) <= budget."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     _check_fits(lengths[order[0]] if order else 0, budget, multiple)
     plans: list[list[int]] = []
     for i in order:
         widest = _round_up(lengths[plans[-1][0]], multiple) if plans else 0
-        if plans and (len(plans[-1]) + 1) * widest <= budget:
+        if plans and (len(plans[-1]) + 1) * widest <= budget:  # micro_batch_slots, padded
             plans[-1].append(i)
         else:
             plans.append([i])
     return plans
 
 
+def packed_slot_budget(lengths: list[int], budget: int, multiple: int) -> int:
+    """The slots a packed micro-batch may hold: the largest micro-batch of the padded plan of the
+    same rows and budget (<= budget). Packing then never needs more activation memory than
+    padding would for the same batch and settings."""
+    plans = plan_by_tokens(lengths, budget, multiple)
+    return max(
+        (micro_batch_slots([lengths[i] for i in p], multiple, False) for p in plans), default=0
+    )
+
+
 def plan_by_real_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
-    """Packed micro-batches: first fit, longest first, sum of lengths (rounded up to the
-    multiple) <= budget (real tokens)."""
+    """Packed micro-batches, each of micro_batch_slots(packed) <= budget: as few as first fit
+    (longest first) needs, then balanced (longest first onto the least filled) when that fits
+    too, so the largest holds as few tokens as the count allows."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     _check_fits(lengths[order[0]] if order else 0, budget, multiple)
     plans: list[list[int]] = []
@@ -127,7 +151,32 @@ def plan_by_real_tokens(lengths: list[int], budget: int, multiple: int) -> list[
         else:
             plans[fit].append(i)
             used[fit] += lengths[i]
+    balanced = _balance(lengths, order, len(plans))
+    if all(micro_batch_slots([lengths[i] for i in p], multiple, True) <= budget for p in balanced):
+        return balanced
     return plans
+
+
+def _balance(lengths: list[int], order: list[int], count: int) -> list[list[int]]:
+    """Longest processing time first: each row onto the micro-batch with the fewest tokens."""
+    plans: list[list[int]] = [[] for _ in range(count)]
+    used = [0] * count
+    for i in order:
+        k = min(range(count), key=used.__getitem__)
+        plans[k].append(i)
+        used[k] += lengths[i]
+    return [p for p in plans if p]
+
+
+def plan_lengths(lengths: list[int], budget: int, multiple: int, packed: bool) -> list[list[int]]:
+    """The dynamic-batch plan of one rank (max_token_len_per_gpu = budget). Padded: slots <=
+    budget. Packed: slots <= packed_slot_budget, and never more micro-batches than the padded
+    plan (whose micro-batches, packed, fit that budget too)."""
+    padded = plan_by_tokens(lengths, budget, multiple)
+    if not packed:
+        return padded
+    plans = plan_by_real_tokens(lengths, packed_slot_budget(lengths, budget, multiple), multiple)
+    return plans if len(plans) <= len(padded) else padded
 
 
 def plan_by_rows(num_rows: int, rows_per_mb: int) -> list[list[int]]:
@@ -160,8 +209,7 @@ def plan_micro_batches(
             raise BatchError(
                 "use_dynamic_bsz needs max_token_len_per_gpu: set ppo_max_token_len_per_gpu"
             )
-        plan = plan_by_real_tokens if packed else plan_by_tokens
-        plans = plan(lengths, int(budget), tp)
+        plans = plan_lengths(lengths, int(budget), tp, packed)
     else:
         plans = plan_by_rows(
             len(lengths), int(tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", 1))

@@ -6,8 +6,9 @@ another, alternating, so both see the same machine state:
 - lengths: prompts near-fixed (uniform in [--prompt-min, --prompt-max]), responses long-tailed
   (log-normal, median --response-median, clipped to --response-max), as DAPO's rollouts;
 - update: forward_backward_batch with verl's ppo_loss (DAPO clip-higher, token-mean),
-  micro-batches planned by --max-tokens (ppo_max_token_len_per_gpu: padded tokens for the
-  padded engine, real tokens for the packed one);
+  micro-batches planned by --max-tokens (ppo_max_token_len_per_gpu) as the engine plans
+  them (recipes.dapo.batches.plan_lengths: padded slots <= the budget; packed tokens <= the
+  padded plan's largest micro-batch);
 - old log-probs: infer_batch (forward only) on the same batch.
 Both engines run our SDPA attention (the only one with a packed path). tokens/s counts real
 tokens only. Prints one JSON line; `ratio` = packed tokens/s / padded tokens/s per pass.
@@ -18,10 +19,11 @@ tensors go back to the OS), one warm-up pass, then for each of --mem-passes pass
 kernel's resident high-water mark is reset (/proc/self/clear_refs 5) and the peak is VmHWM
 minus resident memory just before the pass; the median is reported. The threshold is 64 KiB
 here, not logprob_heads' 1 MiB: this model's [T, 128] fp32 activations are ~1 MiB at
-T ~ 2048, and a threshold there would put the padded engine's (T < 2048) on the heap, where
-freed memory stays resident, and the packed one's (T = 2048) in their own maps. `memory_ratio` = packed peak / padded peak per pass; `per_micro_batch` gives
-the tokens each plan puts in a micro-batch (padded slots for the padded plan, real tokens
-for the packed one), which bound the activations.
+T ~ 2048, and a threshold there would put the smaller micro-batches' on the heap, where freed
+memory stays resident, and the largest in their own maps. `memory_ratio` = packed peak /
+padded peak per pass; `per_micro_batch` gives the tokens each plan puts in a micro-batch
+(padded slots for the padded plan, real tokens for the packed one), which bound the
+activations.
 
     .venv/bin/python scripts/bench/packed_vs_padded.py
     .venv/bin/python scripts/bench/packed_vs_padded.py --rows 64 --iters 5 --out packed.json
@@ -113,21 +115,22 @@ def make_batch(lengths, vocab: int, max_tokens: int, seed: int):
 
 
 def padding_stats(data, max_tokens: int) -> dict:
-    """Micro-batches and padded-token share of the padded plan vs the packed one."""
-    from recipes.dapo.batches import _lengths, _round_up, plan_by_real_tokens, plan_by_tokens
+    """Micro-batches and padded-token share of the padded plan vs the packed one (the engine's
+    planner at world 1, tp 1)."""
+    from recipes.dapo.batches import _lengths, micro_batch_slots, packed_slot_budget, plan_lengths
 
     lengths = _lengths(data["input_ids"]).tolist()
-    padded = plan_by_tokens(lengths, max_tokens, 1)
-    packed = plan_by_real_tokens(lengths, max_tokens, 1)
-    slots = [len(p) * _round_up(max(lengths[i] for i in p), 1) for p in padded]
-    real = {n: [sum(lengths[i] for i in p) for p in plan] for n, plan in (("padded", padded), ("packed", packed))}  # fmt: skip
+    plans = {packed: plan_lengths(lengths, max_tokens, 1, packed) for packed in (False, True)}
+    slots = [micro_batch_slots([lengths[i] for i in p], 1, False) for p in plans[False]]
+    real = {packed: [sum(lengths[i] for i in p) for p in plan] for packed, plan in plans.items()}
     per_mb = {
         "padded_slots": {"max": max(slots), "mean": statistics.mean(slots)},
-        "padded_real": {"max": max(real["padded"]), "mean": statistics.mean(real["padded"])},
-        "packed_real": {"max": max(real["packed"]), "mean": statistics.mean(real["packed"])},
+        "padded_real": {"max": max(real[False]), "mean": statistics.mean(real[False])},
+        "packed_real": {"max": max(real[True]), "mean": statistics.mean(real[True])},
     }
     return {
-        "micro_batches": {"padded": len(padded), "packed": len(packed)},
+        "micro_batches": {"padded": len(plans[False]), "packed": len(plans[True])},
+        "packed_slot_budget": packed_slot_budget(lengths, max_tokens, 1),
         "padded_token_share": 1 - sum(lengths) / sum(slots),
         "real_tokens": sum(lengths),
         "per_micro_batch": per_mb,
