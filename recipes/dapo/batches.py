@@ -25,6 +25,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from backend.common import round_up
+
 
 class BatchError(ValueError):
     """A batch this engine cannot split or run."""
@@ -86,12 +88,8 @@ def _lengths(tensor: torch.Tensor) -> torch.Tensor:
     return torch.full((tensor.shape[0],), tensor.shape[1], dtype=torch.long)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _check_fits(longest: int, budget: int, multiple: int) -> None:
-    if _round_up(longest, multiple) > budget:
+    if round_up(longest, multiple) > budget:
         raise BatchError(
             f"a sequence of {longest} tokens exceeds max_token_len_per_gpu="
             f"{budget}: raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu "
@@ -105,8 +103,8 @@ def micro_batch_slots(lengths: list[int], multiple: int, packed: bool) -> int:
     if not lengths:
         return 0
     if packed:
-        return _round_up(sum(lengths), multiple)
-    return len(lengths) * _round_up(max(lengths), multiple)
+        return round_up(sum(lengths), multiple)
+    return len(lengths) * round_up(max(lengths), multiple)
 
 
 def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
@@ -115,7 +113,7 @@ def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[
     _check_fits(lengths[order[0]] if order else 0, budget, multiple)
     plans: list[list[int]] = []
     for i in order:
-        widest = _round_up(lengths[plans[-1][0]], multiple) if plans else 0
+        widest = round_up(lengths[plans[-1][0]], multiple) if plans else 0
         if plans and (len(plans[-1]) + 1) * widest <= budget:  # micro_batch_slots, padded
             plans[-1].append(i)
         else:
@@ -143,7 +141,7 @@ def plan_by_real_tokens(lengths: list[int], budget: int, multiple: int) -> list[
     used: list[int] = []
     for i in order:
         fit = next(
-            (k for k, u in enumerate(used) if _round_up(u + lengths[i], multiple) <= budget), None
+            (k for k, u in enumerate(used) if round_up(u + lengths[i], multiple) <= budget), None
         )
         if fit is None:
             plans.append([i])
@@ -248,7 +246,7 @@ def micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatc
     ids = sub["input_ids"]
     seqs = ids.unbind() if ids.is_nested else list(ids)
     lengths_B = torch.tensor([len(s) for s in seqs])
-    width = _round_up(int(lengths_B.max()), tp)
+    width = round_up(int(lengths_B.max()), tp)
     ids_BS = torch.zeros(len(seqs), width, dtype=torch.long)
     for row, seq in enumerate(seqs):
         ids_BS[row, : len(seq)] = seq.cpu()
@@ -260,21 +258,18 @@ def micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatc
 
 def packed_micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatch:
     """Rows of `data` concatenated into one [1, T] row (T the real total rounded up to tp)."""
+    from backend.packing import packed_layout
+
     sub = tu.index_select_tensor_dict(data, rows)
     ids = sub["input_ids"]
     seqs = [s.cpu() for s in (ids.unbind() if ids.is_nested else list(ids))]
-    lengths_B = torch.tensor([len(s) for s in seqs])
-    real = int(lengths_B.sum())
-    total = _round_up(real, tp)
-    ids_1T = torch.cat([*seqs, seqs[0].new_zeros(total - real)])[None]
-    valid_1T = torch.arange(total)[None] < real
-    bounds = [0, *lengths_B.cumsum(0).tolist()] + ([total] if total > real else [])
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-    response_1T = _packed_response_mask(sub, lengths_B, total)
+    layout = packed_layout([len(s) for s in seqs], tp)
+    lengths_B = torch.tensor(layout.lengths)
+    valid_1T = torch.arange(layout.total)[None] < layout.real
+    response_1T = _packed_response_mask(sub, lengths_B, layout.total)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return MicroBatch(
-        rows, sub, to(ids_1T), lengths_B, to(valid_1T), to(response_1T), to(cu_seqlens)
-    )
+    return MicroBatch(rows, sub, to(layout.pack(seqs)), lengths_B, to(valid_1T),
+                      to(response_1T), to(layout.cu_seqlens))  # fmt: skip
 
 
 def _packed_response_mask(data: TensorDict, lengths_B: torch.Tensor, total: int):
