@@ -1,10 +1,11 @@
 """`python -m converters`: a process that only converts, set up as such.
 
 - The model is only ever built on the meta device, no kernel runs: megatron's import-time
-  torch.compile wrappers (which import dynamo and inductor, ~0.6 s) are made pass-throughs
-  before megatron is imported (by the layout, later).
+  torch.compile wrappers (which import dynamo and inductor) are made pass-throughs before
+  megatron is imported (by the layout, later).
 - The interpreter's teardown is skipped once the output is complete and fsynced (`exit_now`):
-  its final garbage collection over torch's and megatron's objects took ~1 s.
+  its final garbage collection over torch's and megatron's objects would only cost time.
+Figures: converters/README.md, "Start-up".
 """
 
 import torch

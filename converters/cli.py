@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore", UserWarning)
             warnings.simplefilter("ignore", FutureWarning)
         # the work is copies and disk I/O: OpenMP workers would only spin against the sha256
-        # threads (measured: bf16 copy_ 0.3 GB/s with 2 threads on 2 busy cores, 10 with 1)
+        # threads (converters/README.md, "Streaming", has the measured copy rates)
         torch.set_num_threads(1)
         try:
             return run_cli(

@@ -65,9 +65,10 @@ def world1_groups():
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Importing megatron and building the layout make ~5*10^5 objects that all live on; the
-    cyclic collector would rescan them again and again meanwhile (~1.4 s of 3.9 s at 48
-    layers). Paused, they are scanned a couple of times once it resumes (~0.5 s)."""
+    """Importing megatron and building the layout make hundreds of thousands of objects that
+    all live on; the cyclic collector would rescan them again and again meanwhile. Paused,
+    they are scanned a couple of times once it resumes (figures: converters/README.md,
+    "Start-up")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.common import round_up
+
 STAGE = 32 << 20  # bytes per O_DIRECT write
 STAGES = 3  # one filling, up to two being written
 GIL_FREE_COPY = 1 << 16
@@ -115,7 +117,7 @@ class DirectOutput(io.RawIOBase):
         alignment and kept: later writes go on filling it and rewrite its tail."""
         if self._fill:
             self._submit(
-                self._stage, self._stage_offset, -(-self._fill // ALIGN) * ALIGN, recycle=False
+                self._stage, self._stage_offset, round_up(self._fill, ALIGN), recycle=False
             )
         for f in self._pending:
             f.result()
