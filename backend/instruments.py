@@ -49,6 +49,8 @@ def aux_grad_scale(dp_reduction: str, dp_size: int) -> float:
 
 
 class RouterInstruments:
+    """The router instruments of one model (stage): tap, monitor, aux-loss hook, replay."""
+
     def __init__(
         self,
         module,
