@@ -168,11 +168,17 @@ def build_model(spec, groups: ProcessGroups, opts: BuildOptions | None = None):
     return model
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert weight: tagged `is_expert` by tag_experts, or by megatron-core
+    `allreduce=False` (expert-parallel replicas)."""
+    return getattr(param, "is_expert", False) or not getattr(param, "allreduce", True)
+
+
 def tag_experts(model: torch.nn.Module) -> int:
     """Mark every expert weight `is_expert` (those of each MoELayer's experts module).
 
     megatron-core's own mark, `allreduce=False`, is only set where expert replicas are not the
-    dense ones' (`tag_expert_replicas`); generic code (backend.grads) asks `is_expert`, not
+    dense ones' (`tag_expert_replicas`); generic code asks `is_expert(param)` (above), not
     parameter names. Returns how many parameters were tagged.
     """
     experts = _expert_params(model)
@@ -219,9 +225,10 @@ def mark_sequence_parallel_norms(model: torch.nn.Module) -> None:
     """Tag the hidden-size norms' weights `sequence_parallel`, whatever class built them.
 
     Each TP rank computes their gradient from its own slice of the tokens, so it must be summed
-    over TP (backend.grads and megatron's finalize_model_grads do so for tagged parameters).
-    TE's norms and our CPU/GPU shim tag them; a device's own norm need not (MindSpeed replaces
-    megatron's on Ascend), and an untagged one lets TP ranks drift apart silently.
+    over TP (megatron's finalize_model_grads, and tests/reference_actor.py, do so for tagged
+    parameters). TE's norms and our CPU/GPU shim tag them; a device's own norm need not
+    (MindSpeed replaces megatron's on Ascend), and an untagged one lets TP ranks drift apart
+    silently.
     """
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in SEQUENCE_PARALLEL_NORMS:

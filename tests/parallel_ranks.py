@@ -12,23 +12,6 @@ def global_batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
 
 
-def _sync_grads(model, groups) -> None:
-    """What mcore's DDP + finalize_model_grads do: DP sums, and TP sums of sequence-parallel params."""
-    from backend.grads import is_expert
-
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        dense_or_expert = "edp" if is_expert(param) else "dp"
-        dist.all_reduce(param.grad, group=getattr(groups, dense_or_expert))
-        if groups.size("tp") > 1 and (
-            getattr(param, "sequence_parallel", False)
-            or "q_layernorm" in name
-            or "k_layernorm" in name
-        ):
-            dist.all_reduce(param.grad, group=groups.tp)
-
-
 def _pipeline_forward_backward(model, groups, ids, loss_fn):
     """Two-stage handoff (pp=2) through GPTModel's own stage split; returns last-stage logits."""
     from backend.forward import forward_logits
@@ -83,6 +66,7 @@ def run_plan(
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
+    from tests.reference_actor import sync_grads
 
     groups = init_parallel(device, job_plan(tp=tp, ep=ep, pp=pp, etp=etp))
     spec = load_qwen3_moe_spec(hf_dir)
@@ -108,7 +92,7 @@ def run_plan(
         loss_fn(forward_logits(model, ids)).backward()
     else:
         _pipeline_forward_backward(model, groups, ids, loss_fn)
-    _sync_grads(model, groups)
+    sync_grads(model, groups)  # what mcore's DDP + finalize_model_grads do, DP summed
     grads = gather_full(model, groups, spec, grads=True)
     last_stage = groups.rank("pp") == groups.size("pp") - 1
     if last_stage:
@@ -135,12 +119,12 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     from backend.device import prepare_device
 
     device = prepare_device("cpu")
-    from backend.actor import McoreActor, OptimConfig
     from backend.distributed import init_parallel
     from backend.model import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import gather_full, load_hf_sharded
+    from tests.reference_actor import McoreActor, OptimConfig
 
     groups = init_parallel(device, job_plan(tp=tp, ep=ep))
     spec = load_qwen3_moe_spec(hf_dir)

@@ -1,4 +1,5 @@
-"""McoreActor: synced, clipped gradients and their norm agree across micro-batch splits, plans and torch.
+"""The reference actor (tests/reference_actor.py): synced, clipped gradients and their norm
+agree across micro-batch splits, plans and torch.
 
 Gradients are compared after the step (train_step leaves them in .grad): Adam's first update
 is lr * sign(g) for tiny g, so comparing updated parameters would test rounding noise.
@@ -7,13 +8,13 @@ is lr * sign(g) for tiny g, so comparing updated parameters would test rounding 
 import pytest
 import torch
 
-from backend.actor import McoreActor, OptimConfig
 from backend.model import build_model
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.table import load_hf_into_model
 from tests.multiproc import run_ranks
 from tests.parallel_ranks import global_batch, nll_token_mean, run_actor_step
+from tests.reference_actor import McoreActor, OptimConfig
 
 MAX_NORM = 0.5
 

@@ -283,7 +283,7 @@ def test_tokens_fed_must_match_start_step(model, world1, data):
         tap.remove()
 
 
-# ---- two gloo ranks: DP (gradients summed as backend.grads does) and TP with sequence parallel --
+# ---- two gloo ranks: DP (summed by tests/reference_actor.py) and TP with sequence parallel ----
 
 PLANS = {  # tp, etp, each DP rank's micro-batch split, the same split seen from world size 1
     "dp2": (1, 1, ([1, 3], [2, 2]), [1, 3, 2, 2]),
@@ -294,12 +294,12 @@ PLANS = {  # tp, etp, each DP rank's micro-batch split, the same split seen from
 def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
     from backend.device import prepare_device
     from backend.distributed import init_parallel
-    from backend.grads import sync_grads
     from backend.model import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
     from tests.multiproc import job_plan
+    from tests.reference_actor import sync_grads
 
     tp, etp, splits, _ = PLANS[plan]
     groups = init_parallel(prepare_device("cpu"), job_plan(tp=tp, etp=etp))

@@ -19,8 +19,9 @@ def mcore_aux_loss(
 ) -> AuxLossHook:
     """The hook on every TopKRouter of `model`; `tap` must be a RouterTap of the same model.
 
-    grad_scale: 1 when DP ranks sum gradients (backend.grads), the DP size under
-    megatron-core's averaging DDP (verl's engine); see AuxLossHook.
+    grad_scale: 1 when DP ranks sum gradients (tests/reference_actor.py), the DP size under
+    megatron-core's averaging DDP (backend.optim); backend.instruments.aux_grad_scale derives
+    it from the reduction. See AuxLossHook.
     """
     sites = mcore_sites(model)
     if not sites:

@@ -62,7 +62,7 @@ class AuxLossHook:
 
         layout: token order of router calls, "sb" (megatron-core) or "bs" (transformers).
         grad_scale: multiplies the attached gradient. 1 (default) where DP ranks sum
-        gradients of globally normalised losses, as backend.grads.sync_grads does; the DP
+        gradients of globally normalised losses, as tests/reference_actor.py does; the DP
         size under megatron-core's DDP, which averages over DP (verl's engine multiplies its
         token-mean loss by dp_size for the same reason); times the loss scale in fp16.
         """

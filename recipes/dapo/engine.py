@@ -13,7 +13,7 @@ BaseEngine calls verl's workers make map onto our code:
                       backend.lean_head, chunked, the output projection fused, no [T, V/tp]
                       logits held) -> verl's loss_function -> backward
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
-  optimizer_step / lr_scheduler_step / optimizer_zero_grad  recipes.dapo.optim
+  optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
   save/load_checkpoint  recipes.dapo.weights (layout in its docstring)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
@@ -40,7 +40,9 @@ from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
 from backend.forward import forward_logits
+from backend.instruments import RouterInstruments
 from backend.lean_head import forward_hidden
+from backend.optim import DP_REDUCTION, OptimSettings, make_optimizer
 from backend.schedule import is_last_stage, run_micro_batches
 from backend.timing import (
     SECTIONS,
@@ -53,8 +55,6 @@ from backend.timing import (
 from recipes.dapo import batches, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.heads import head_from_hidden
-from recipes.dapo.optim import OptimSettings, make_optimizer
-from recipes.dapo.routing import Routing
 
 logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
@@ -87,7 +87,7 @@ class _Pass:
     """One forward(-backward) pass over a batch's micro-batches."""
 
     mbs: list
-    routes: list[dict]  # per micro-batch: Routing.set_routes arguments
+    routes: list[dict]  # per micro-batch: RouterInstruments.set_routes arguments
     loss_function: object
     forward_only: bool
     temperature: object
@@ -178,9 +178,9 @@ class McoreEpEngine(BaseEngine):
         self.module = build_model(self.spec, self.groups, opts)
         self.experts = opts.resolved_experts()
         weights.load_hf(self.module, self.model_config.local_path, self.spec, self.groups)
-        self.routing = Routing(
+        self.routing = RouterInstruments(
             self.module, self.groups, self.spec, dict(c.aux_loss), dict(c.monitor),
-            replay=c.router_replay,
+            dp_reduction=DP_REDUCTION, replay=c.router_replay,
         )  # fmt: skip
         if c.forward_only:
             self.model = self.module

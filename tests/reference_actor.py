@@ -1,4 +1,17 @@
-"""The megatron-core actor: log-probs, micro-batched forward/backward with a given loss, optimizer step.
+"""A hand-written reference actor: the tests' independent check of what the engine's optimizer
+(backend.optim: megatron-core DDP + finalize_model_grads + distributed optimizer) does.
+
+Log-probs, micro-batched forward/backward with a given loss, then gradient synchronisation
+and clipping written out against our explicit groups (same code on gloo and accelerators),
+torch AdamW and backend.optim's warm-up. Used to cross-check parallel plans (tests/
+parallel_ranks.py, test_actor.py, test_aux_loss_hook.py); the engine never runs it.
+
+- dense parameters are replicated over the attention DP group: sum over dp;
+- expert parameters are replicated over the expert DP group: sum over edp;
+- with sequence parallelism each TP rank saw a slice of the tokens, so norms and the router
+  (tagged `sequence_parallel`) and the q/k norms (heads split over TP) sum over tp.
+Losses are expected to be already normalised by the global token count, so DP ranks *sum*
+(backend.optim.DP_REDUCTION is "mean": megatron's DDP averages, verl scales its loss by dp).
 
 Batches are dicts of tensors with `input_ids` [B, S] (right-padded) plus whatever the loss
 needs; a loss function receives the micro-batch and its next-token log-probs [B, S-1] and
@@ -12,10 +25,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.forward import next_token_log_probs
-from backend.grads import clip_grads, sync_grads
+from backend.model import is_expert
+from backend.optim import warmup_factor
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -52,9 +67,8 @@ class McoreActor:
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps
         )
-        warmup = max(optim.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            self.optimizer, lambda step: warmup_factor(step, optim.warmup_steps)
         )
 
     @torch.no_grad()
@@ -101,3 +115,63 @@ class McoreActor:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+# ---- gradient synchronisation and clipping (what DDP + finalize_model_grads + clip do) ----
+
+
+def _tp_partial(name: str, param: torch.Tensor) -> bool:
+    return (
+        getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+    )
+
+
+def sync_grads(model: torch.nn.Module, groups: ProcessGroups) -> None:
+    """Sum gradients over the ranks that hold copies of each parameter (in place)."""
+    tp = groups.size("tp")
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        replicas = "edp" if is_expert(param) else "dp"
+        if groups.size(replicas) > 1:
+            dist.all_reduce(param.grad, group=getattr(groups, replicas))
+        if tp > 1 and _tp_partial(name, param):
+            dist.all_reduce(param.grad, group=groups.tp)
+
+
+def _owned_square_sum(model: torch.nn.Module, groups: ProcessGroups, experts: bool) -> torch.Tensor:
+    """Sum of squared grads this rank owns (a replica counts on the first rank of its split group)."""
+    split_group = "etp" if experts else "tp"
+    first_in_split = groups.rank(split_group) == 0
+    total = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        if param.grad is None or is_expert(param) != experts:
+            continue
+        if getattr(param, "tensor_model_parallel", False) or first_in_split:
+            total += param.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def global_grad_norm(model: torch.nn.Module, groups: ProcessGroups) -> float:
+    """L2 norm of the full model's gradient, equal on every rank (call after sync_grads)."""
+    device = next(model.parameters()).device
+    dense = _owned_square_sum(model, groups, experts=False).to(device)
+    expert = _owned_square_sum(model, groups, experts=True).to(device)
+    for group in ("tp", "pp"):
+        if groups.size(group) > 1:
+            dist.all_reduce(dense, group=getattr(groups, group))
+    for group in ("etp", "ep", "pp"):
+        if groups.size(group) > 1:
+            dist.all_reduce(expert, group=getattr(groups, group))
+    return float((dense + expert).sqrt())
+
+
+def clip_grads(model: torch.nn.Module, groups: ProcessGroups, max_norm: float) -> float:
+    """Scale gradients so the global norm is at most max_norm; return the norm before clipping."""
+    norm = global_grad_norm(model, groups)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm

@@ -1,17 +1,17 @@
-"""The engine's optimizer: megatron-core DDP + distributed optimizer, on every device.
+"""The optimizer: megatron-core DDP + distributed optimizer, on every device.
 
 One path for cpu (gloo, fp32: tests and CI) and cuda / npu (bf16 parameters, fp32 main grads,
 fp32 master weights and Adam state sharded over DP / expert-DP: the layout parallel/'s memory
 model assumes). On cpu megatron-core's CUDA-only spots are passed by the named shims in
 backend.mcore_shims (`optimizer_*`, `dist_optim_*`, `clip_grads_cpu`, `local_l2_norm_on_cpu`).
 
-- gradients: DDP averages over DP (megatron's default scaling 1/dp, experts included: they
-  are summed over expert-DP, see backend.model.tag_expert_replicas for ep == 1, etp != tp),
-  which is what verl's losses expect (token-mean multiplies by dp_size); finalize_model_grads
-  adds the TP sums of sequence-parallel and q/k-norm weights;
-- schedule, written once here: lr * min(1, (k + 1) / warmup) at update k; weight decay is
-  the configured one times megatron's per-group `wd_mult` (0 for biases and 1-D params:
-  megatron's no-decay rule, which its own OptimizerParamScheduler would apply);
+- gradients: DDP averages over DP (DP_REDUCTION = "mean": megatron's default scaling 1/dp,
+  experts included: they are summed over expert-DP, see backend.model.tag_expert_replicas for
+  ep == 1, etp != tp), which is what verl's losses expect (token-mean multiplies by dp_size);
+  finalize_model_grads adds the TP sums of sequence-parallel and q/k-norm weights;
+- schedule, written once here (warmup_factor): linear warm-up over the first updates; weight
+  decay is the configured one times megatron's per-group `wd_mult` (0 for biases and 1-D
+  params: megatron's no-decay rule, which its own OptimizerParamScheduler would apply);
 - checkpoint: megatron-core's sharded optimizer checkpoint (dist_checkpointing, the cluster's
   format), plus the schedule's update counter in JSON;
 - offload: verl's megatron_utils offload / load functions, on cpu too (cpu to cpu).
@@ -28,6 +28,9 @@ from backend.distributed import ProcessGroups
 
 STATE_DIR = "dist_ckpt"  # under the checkpoint's optim/
 SCHEDULE = "schedule.json"
+# how DDP reduces gradients over DP (megatron-core's default): the step's gradient is the DP
+# mean; backend.instruments.RouterInstruments derives the aux loss's gradient scale from it
+DP_REDUCTION = "mean"
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class OptimSettings:
 
 
 def warmup_factor(update: int, warmup: int) -> float:
+    """The lr multiplier at update k (0-based) of a W-step warm-up: min(1, (k + 1) / W), and 1
+    without warm-up (W <= 0)."""
     return min(1.0, (update + 1) / warmup) if warmup > 0 else 1.0
 
 

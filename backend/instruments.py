@@ -1,12 +1,15 @@
-"""The engine's router instruments: expert-load monitor and router aux-loss hook.
+"""The router instruments: one object owning the router tap, the expert-load monitor, the
+router aux-loss hook, the phase labels and the aux loss's counting pass.
 
-Both listen to one RouterTap on the model. Per optimizer step:
+The monitor and the hook listen to one RouterTap on the model. Per optimizer step:
   start_step(masks) -> [counting pass] -> per micro-batch set_tokens + fwd/bwd -> end_step()
 and forward-only passes (old log-probs, reference) are counted under their own phase; with
 aux_loss.global_counts="old_log_prob" the old-log-prob phase also counts the global_batch f
 of the trainer step's updates (no counting pass), forgotten at end_trainer_step().
 Either instrument is off when its package is absent or its setting says so; the startup
-log line says which.
+log line says which. How the optimizer reduces gradients over DP is declared data
+(`dp_reduction`, e.g. backend.optim.DP_REDUCTION), from which aux_grad_scale derives the aux
+loss's gradient scale.
 
 Routing replay (mcore_ep.router_replay, see recipes/README.md): the same tap forces the
 experts (backend.router_replay) where `set_routes` gives some; the monitor counts the
@@ -26,9 +29,28 @@ from backend.router_replay import AgreementMeter, RouteRecorder
 
 logger = logging.getLogger(__name__)
 REPLAY_MODES = ("disabled", "R2", "R3")
+DP_REDUCTIONS = ("mean", "sum")
 
 
-class Routing:
+def aux_grad_scale(dp_reduction: str, dp_size: int) -> float:
+    """The aux loss's gradient scale when the optimizer reduces gradients over DP by
+    `dp_reduction`.
+
+    The aux objective J is normalised by the step's global token (or sequence) count, so the
+    per-rank gradients *summed* over DP give dJ/dθ; a reduction that averages divides by the DP
+    size, which the scale undoes (as verl multiplies its token-mean loss by dp_size):
+
+        scale = dp_size   if dp_reduction == "mean"   (megatron-core's DDP, backend.optim)
+        scale = 1         if dp_reduction == "sum"    (tests/reference_actor.py)
+    """
+    if dp_reduction not in DP_REDUCTIONS:
+        raise ValueError(f"dp_reduction={dp_reduction!r}: choose one of {', '.join(DP_REDUCTIONS)}")
+    return float(dp_size) if dp_reduction == "mean" else 1.0
+
+
+class RouterInstruments:
+    """The router instruments of one model (stage): tap, monitor, aux-loss hook, replay."""
+
     def __init__(
         self,
         module,
@@ -36,12 +58,16 @@ class Routing:
         spec,
         aux_loss: dict,
         monitor: dict,
+        *,
+        dp_reduction: str,
         replay: str = "disabled",
     ):
+        """dp_reduction: how the optimizer reduces gradients over DP, "mean" or "sum"."""
         from backend.router_tap import RouterTap
 
         if replay not in REPLAY_MODES:
             raise ValueError(f"router_replay={replay!r}: choose one of {', '.join(REPLAY_MODES)}")
+        self.aux_grad_scale = aux_grad_scale(dp_reduction, groups.size("dp"))
         self.groups, self.replay_mode = groups, replay
         self.monitor = self.hook = None
         self.updates = 0
@@ -65,7 +91,7 @@ class Routing:
 
             config = AuxLossConfig(**aux_loss)
             self.hook = mcore_aux_loss(
-                module, self.tap, config, groups, grad_scale=groups.size("dp")
+                module, self.tap, config, groups, grad_scale=self.aux_grad_scale
             )
             logger.warning("mcore_ep: %s", config.describe())
 
