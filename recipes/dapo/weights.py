@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.qwen3_moe import Qwen3MoeSpec
+from converters.convert import HF_CONFIG  # the config.json copy the export reads
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
@@ -29,7 +30,6 @@ from converters.table import expand_table, split_row
 
 FORMAT = "mcore-moe-dapo/torch_dist/1"
 MODEL_DIR = "model/dist_ckpt"  # verl's layout, which converters.dist_read finds
-HF_CONFIG = "hf_config.json"  # what converters.convert reads beside the checkpoint
 
 
 def hf_tensors(
