@@ -20,7 +20,7 @@ from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
 from converters.sharding import gather_full
 from converters.table import mcore_to_hf
-from recipes.dapo import weights
+from recipes.dapo import batches, weights
 from recipes.dapo.overrides import AUX_LOSS
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
@@ -76,11 +76,14 @@ def dapo_actor_config():
     )
 
 
-def make_batch(max_tokens=32, seeds=(0,)):
-    """LENGTHS sequences per seed (random tokens and advantages), as one verl batch."""
+def make_batch(max_tokens=32, seeds=(0,), lengths=None):
+    """Per seed, sequences of LENGTHS (or of lengths[i] for seeds[i]; random tokens and
+    advantages), as one verl batch."""
     rows = []
-    for seed in seeds:
-        rows += _rows(torch.Generator().manual_seed(seed))
+    for i, seed in enumerate(seeds):
+        rows += _rows(
+            torch.Generator().manual_seed(seed), LENGTHS if lengths is None else lengths[i]
+        )
     data = tu.list_of_dict_to_tensordict(rows)
     tu.assign_non_tensor(
         data,
@@ -93,9 +96,9 @@ def make_batch(max_tokens=32, seeds=(0,)):
     return data
 
 
-def _rows(gen):
+def _rows(gen, lengths=LENGTHS):
     rows = []
-    for p_len, r_len in LENGTHS:
+    for p_len, r_len in lengths:
         prompt, response = (
             torch.randint(0, 128, (p_len,), generator=gen),
             torch.randint(0, 128, (r_len,), generator=gen),
@@ -510,3 +513,29 @@ def test_compute_after_an_explicit_offload_without_offload_configured(make_engin
     assert not engine.optim.is_offloaded()
     for a, b in zip(after.unbind(), before.unbind(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_packed_micro_batch_padded_to_a_larger_total_keeps_its_sequences():
+    """batches.agree_over's padding of a packed row: the tail pseudo-sequence grows to the new
+    total, padding is invalid, outputs read back per sequence unchanged."""
+    data = make_batch()
+    mb = batches.packed_micro_batch(data, [0, 1, 2], tp=2, device="cpu")
+    total = mb.ids_BS.shape[1]
+    wider = batches._padded_to(mb, 1, total + 6)
+    assert wider.cu_seqlens.tolist() == [
+        *mb.cu_seqlens.tolist()[: len(mb.lengths_B) + 1],
+        total + 6,
+    ]
+    assert wider.packed.max_seqlen_q == max(
+        int(mb.lengths_B.max()), total + 6 - int(mb.lengths_B.sum())
+    )
+    assert not wider.valid_BS[0, total:].any() and torch.equal(
+        wider.valid_BS[0, :total], mb.valid_BS[0]
+    )
+    values = torch.arange(total + 6, dtype=torch.float)[None]
+    for a, b in zip(
+        wider.to_nested(values).unbind(), mb.to_nested(values[:, :total]).unbind(), strict=True
+    ):
+        assert torch.equal(a, b)
+    padded = batches._padded_to(batches.micro_batch(data, [0, 1], 2, "cpu"), 4, 20)
+    assert padded.ids_BS.shape == (4, 20) and int(padded.valid_BS.sum()) == 12 + 7

@@ -14,6 +14,13 @@ from tests.multiproc import run_ranks
 pytestmark = pytest.mark.slow
 
 
+# (prompt, response) tokens per sequence of DP replica 0 and 1
+REPLICA_LENGTHS = [
+    [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)],
+    [(7, 9), (3, 3), (6, 12), (4, 2), (2, 5)],
+]
+
+
 def engine_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
     """One rank: infer, compare the streamed HF weights, one DAPO train step."""
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
@@ -31,7 +38,8 @@ def engine_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
 
     engine = t.build_engine(hf_dir, tp=tp, ep=ep)
     dp_rank = engine.get_data_parallel_rank()
-    data = t.make_batch(seeds=(dp_rank,))  # each DP replica its own rows, same lengths
+    # each DP replica its own rows and lengths: EP peers' micro-batches differ in shape
+    data = t.make_batch(seeds=(dp_rank,), lengths=(REPLICA_LENGTHS[dp_rank],))
     with engine.eval_mode():
         log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
     data["old_log_probs"] = response_from_nested(log_probs, data["response_mask"])
@@ -69,7 +77,8 @@ def test_parallel_engine_matches_world1(tp, ep, world1, tiny_hf_dir, monkeypatch
     from tests.test_verl_engine import build_engine, dapo_actor_config, make_batch
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    engine, data = build_engine(tiny_hf_dir), make_batch(seeds=tuple(range(dp)))
+    engine = build_engine(tiny_hf_dir)
+    data = make_batch(seeds=tuple(range(dp)), lengths=REPLICA_LENGTHS[:dp])
     with engine.eval_mode():
         ref_lp = engine.infer_batch(data)["model_output"]["log_probs"].unbind()
     data["old_log_probs"] = response_from_nested(

@@ -18,7 +18,7 @@ the total padded to a multiple of tp (that tail is one more pseudo-sequence, mas
 - model outputs go back to verl as nested tensors in the caller's row order.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -254,6 +254,38 @@ def micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatc
     response_BS = _response_mask(sub, lengths_B, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return MicroBatch(rows, sub, to(ids_BS), lengths_B, to(valid_BS), to(response_BS))
+
+
+def agree_over(mbs: list[MicroBatch], group) -> list[MicroBatch]:
+    """Micro-batch k of every rank of `group` padded to their largest [B, S] (packed: [1, T]).
+
+    megatron-core's allgather token dispatcher (the CPU choice) all-gathers the tokens over
+    TP x EP, which needs the same token count on every rank there; EP ranks are other DP
+    replicas, with other sequences. Padding rows and positions are masked like any padding
+    (valid False; a packed row's tail pseudo-sequence grows)."""
+    shapes = torch.tensor([list(mb.ids_BS.shape) for mb in mbs], dtype=torch.long)
+    dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+    return [_padded_to(mb, b, s) for mb, (b, s) in zip(mbs, shapes.tolist(), strict=True)]
+
+
+def _padded_to(mb: MicroBatch, b: int, s: int) -> MicroBatch:
+    B, S = mb.ids_BS.shape
+    if (B, S) == (b, s):
+        return mb
+
+    def pad(t_BS):
+        out = t_BS.new_zeros(b, s)
+        out[:B, :S] = t_BS
+        return out
+
+    cu_seqlens = mb.cu_seqlens
+    if cu_seqlens is not None:  # the tail pseudo-sequence now ends at s
+        real = int(mb.lengths_B.sum())
+        starts = cu_seqlens[:-1] if S > real else cu_seqlens
+        cu_seqlens = torch.cat([starts, cu_seqlens.new_tensor([s])])
+    response = None if mb.response_BS is None else pad(mb.response_BS)
+    return replace(mb, ids_BS=pad(mb.ids_BS), valid_BS=pad(mb.valid_BS), response_BS=response,
+                   cu_seqlens=cu_seqlens)  # fmt: skip
 
 
 def packed_micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatch:

@@ -79,6 +79,9 @@ def _micro_batch_temperature(temperature, mb):
         temperature = temperature[mb.rows]
         if mb.cu_seqlens is not None:
             return _one_temperature(temperature)
+        extra = mb.ids_BS.shape[0] - len(mb.rows)  # padding rows (batches.agree_over)
+        if extra:
+            temperature = torch.cat([temperature, temperature.new_ones(extra)])
     return temperature
 
 
@@ -288,6 +291,8 @@ class McoreEpEngine(BaseEngine):
         plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device, packed)
         make = batches.packed_micro_batch if packed else batches.micro_batch
         mbs = [make(data, rows, tp, self._torch_device) for rows in plans]
+        if self._tokens_gathered_over_ep:
+            mbs = batches.agree_over(mbs, self.groups.ep)
         phase = self._phase(forward_only)
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
@@ -307,6 +312,12 @@ class McoreEpEngine(BaseEngine):
         with self.routing.phase("update"):
             outputs = self._run(passes)
         return self._assemble(outputs, plans, self.routing.end_step())
+
+    @property
+    def _tokens_gathered_over_ep(self) -> bool:
+        """megatron's allgather dispatcher (CPU) with EP: micro-batches must agree in shape."""
+        ep = self.groups.size("ep") > 1
+        return ep and self.module.config.moe_token_dispatcher_type == "allgather"
 
     @property
     def _last_stage(self) -> bool:
