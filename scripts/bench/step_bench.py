@@ -109,12 +109,10 @@ def step_flops(spec, batch: int, seq: int) -> dict:
     return dict(active_params_per_token=active, flops_per_step=6 * tokens * (active + attention))
 
 
-def shape_info(spec, args, dtype: torch.dtype) -> dict:
+def model_shape(spec, dtype: torch.dtype) -> dict:
+    """The model's shape fields of a bench JSON."""
     return dict(
         layers=spec.num_layers,
-        batch=args.batch,
-        seq=args.seq,
-        tokens=args.batch * args.seq,
         hidden=spec.hidden_size,
         heads=spec.num_heads,
         kv_heads=spec.num_kv_heads,
@@ -124,8 +122,12 @@ def shape_info(spec, args, dtype: torch.dtype) -> dict:
         moe_ffn=spec.moe_ffn_hidden_size,
         vocab=spec.vocab_size,
         dtype=str(dtype).removeprefix("torch."),
-        **step_flops(spec, args.batch, args.seq),
     )
+
+
+def shape_info(spec, args, dtype: torch.dtype) -> dict:
+    tokens = dict(batch=args.batch, seq=args.seq, tokens=args.batch * args.seq)
+    return {**model_shape(spec, dtype), **tokens, **step_flops(spec, args.batch, args.seq)}
 
 
 def version_of(dist: str) -> str | None:
