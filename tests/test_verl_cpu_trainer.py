@@ -120,10 +120,13 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     )
 
 
+@pytest.mark.trainer_flow
 def test_tp2_ep2_on_two_ranks_with_packed_sequences(tmp_path):
     """Two ranks (tp2/ep2) with mcore_ep.packed=true (THD micro-batches) in verl's own DAPO
     loop: the actor's old log-probs still equal the rollout's after every sync (the padded
-    path runs in the world-1 run above; one launch covers both the plan and the packing)."""
+    path runs in the world-1 run above; one launch covers both the plan and the packing).
+    On the 0.16.1 set only (trainer_flow): packed tp2/ep2 engine parity runs on both releases
+    (tests/test_packed.py, tests/test_verl_engine_multiproc.py)."""
     proc = launch(tmp_path, "--tp", "2", "--ep", "2", "--steps", "2",
                   overrides=("trainer.save_freq=2",
                              "actor_rollout_ref.actor.mcore_ep.packed=true"))  # fmt: skip
