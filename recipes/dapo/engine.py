@@ -297,10 +297,10 @@ class McoreEpEngine(BaseEngine):
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
-        passes = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
+        this_pass = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
         if forward_only:
             with self.routing.phase(phase):
-                outputs = self._run(passes)
+                outputs = self._run(this_pass)
             self.routing.set_routes()
             out = self._assemble(outputs, plans, {})
             if phase == "old_log_prob":
@@ -310,7 +310,7 @@ class McoreEpEngine(BaseEngine):
         if self.routing.needs_counting_pass:
             self._counting_pass(mbs, routes)
         with self.routing.phase("update"):
-            outputs = self._run(passes)
+            outputs = self._run(this_pass)
         return self._assemble(outputs, plans, self.routing.end_step())
 
     @property
