@@ -304,10 +304,9 @@ def test_packed_equals_padded_under_tp_and_ep(tiny_hf_dir):
                 raise AssertionError(f"tp={tp} ep={ep} rank {rank}: {err}") from None
 
 
-@pytest.mark.bench
-def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_path, capsys):
+def _bench_module(monkeypatch):
+    """scripts/bench/packed_vs_padded.py as a module, its engines on the cpu."""
     import importlib.util
-    import json
     from pathlib import Path
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
@@ -315,6 +314,14 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
     spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.bench
+def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_path, capsys):
+    import json
+
+    bench = _bench_module(monkeypatch)
     args = ["--rows", "6", "--iters", "1", "--warmup", "0", "--response-max", "400"]
     result = bench.main([*args, "--max-tokens", "512", "--out", str(tmp_path / "r.json")])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
@@ -326,14 +333,7 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
 @pytest.mark.slow
 @pytest.mark.bench
 def test_benchmark_memory_runs_each_engine_and_pass_in_a_child(monkeypatch, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    path = Path(__file__).parents[1] / "scripts" / "bench" / "packed_vs_padded.py"
-    spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module(monkeypatch)
     args = ["--rows", "4", "--response-max", "200", "--max-tokens", "512", "--mem-passes", "1"]
     result = bench.main([*args, "--memory", "--no-timing", "--out", str(tmp_path / "r.json")])
     assert "ratio" not in result  # --no-timing
