@@ -3,7 +3,7 @@
 
 import torch
 
-from tests.multiproc import job_plan
+from tests.multiproc import loaded_model
 
 BATCH, SEQ = 3, 12  # SEQ a multiple of tp (sequence parallel)
 CHUNK_TOKENS = 7  # several chunks, one of them partial, over BATCH * SEQ = 36 tokens
@@ -46,15 +46,6 @@ def compare_heads(model, vocab: int, temperature, entropy: bool) -> dict:
 def run_tp(rank: int, hf_dir: str, tp: int, temperature_kind: str, entropy: bool) -> dict:
     from backend.device import prepare_device
 
-    device = prepare_device("cpu")
-    from backend.distributed import init_parallel
-    from backend.model import build_model
-    from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.hf_io import read_state_dict
-    from converters.sharding import load_hf_sharded
-
-    groups = init_parallel(device, job_plan(tp=tp, etp=tp))
-    spec = load_qwen3_moe_spec(hf_dir)
-    model = build_model(spec, groups)
-    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    prepare_device("cpu")
+    model, spec, _ = loaded_model(hf_dir, tp=tp, etp=tp)
     return compare_heads(model, spec.vocab_size, temperatures(temperature_kind), entropy)

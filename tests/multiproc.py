@@ -90,3 +90,19 @@ def job_plan(**dims: int):
     from parallel.plan import ParallelPlan
 
     return ParallelPlan.for_world(job_world(), **dims)
+
+
+def loaded_model(hf_dir: str, opts=None, **dims: int):
+    """(model, spec, groups): this rank's shard of the HF checkpoint's model at the plan of
+    `dims` over this job's ranks (call prepare_device first)."""
+    from backend.distributed import init_parallel
+    from backend.model import build_model
+    from backend.qwen3_moe import load_qwen3_moe_spec
+    from converters.hf_io import read_state_dict
+    from converters.sharding import load_hf_sharded
+
+    groups = init_parallel("cpu", job_plan(**dims))
+    spec = load_qwen3_moe_spec(hf_dir)
+    model = build_model(spec, groups, opts)
+    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    return model, spec, groups

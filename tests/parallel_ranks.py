@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import job_plan
+from tests.multiproc import loaded_model
 
 BATCH, SEQ = 4, 16
 
@@ -57,22 +57,18 @@ def run_plan(
     untagged_norms: norms as on Ascend, which the shim does not build (see _untagged_norms)."""
     from backend.device import prepare_device
 
-    device = prepare_device("cpu")
+    prepare_device("cpu")
     if untagged_norms:
         _untagged_norms()
-    from backend.distributed import init_parallel
     from backend.forward import token_log_probs
-    from backend.model import BuildOptions, build_model
-    from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.hf_io import read_state_dict
-    from converters.sharding import gather_full, load_hf_sharded
+    from backend.model import BuildOptions
+    from converters.sharding import gather_full
     from tests.reference_actor import sync_grads
 
-    groups = init_parallel(device, job_plan(tp=tp, ep=ep, pp=pp, etp=etp))
-    spec = load_qwen3_moe_spec(hf_dir)
     modules = dict(experts="grouped", attention="sdpa") if fast else {}
-    model = build_model(spec, groups, BuildOptions(**modules))
-    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    model, spec, groups = loaded_model(
+        hf_dir, BuildOptions(**modules), tp=tp, ep=ep, pp=pp, etp=etp
+    )
 
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
     ids = global_batch(spec.vocab_size).chunk(dp)[dp_rank]
@@ -118,18 +114,11 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     """One McoreActor step (token-mean NLL, clipped AdamW) at a plan; its full synced grads."""
     from backend.device import prepare_device
 
-    device = prepare_device("cpu")
-    from backend.distributed import init_parallel
-    from backend.model import build_model
-    from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.hf_io import read_state_dict
-    from converters.sharding import gather_full, load_hf_sharded
+    prepare_device("cpu")
+    from converters.sharding import gather_full
     from tests.reference_actor import McoreActor, OptimConfig
 
-    groups = init_parallel(device, job_plan(tp=tp, ep=ep))
-    spec = load_qwen3_moe_spec(hf_dir)
-    model = build_model(spec, groups)
-    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep)
     actor = McoreActor(model, groups, OptimConfig(lr=1e-2, grad_clip=max_norm))
     ids = global_batch(spec.vocab_size).chunk(groups.size("dp"))[groups.rank("dp")]
     metrics = actor.train_step([{"input_ids": ids}], nll_token_mean)

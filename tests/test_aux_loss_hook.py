@@ -293,19 +293,12 @@ PLANS = {  # tp, etp, each DP rank's micro-batch split, the same split seen from
 
 def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
     from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from backend.model import build_model
-    from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.hf_io import read_state_dict
-    from converters.sharding import load_hf_sharded
-    from tests.multiproc import job_plan
+    from tests.multiproc import loaded_model
     from tests.reference_actor import sync_grads
 
     tp, etp, splits, _ = PLANS[plan]
-    groups = init_parallel(prepare_device("cpu"), job_plan(tp=tp, etp=etp))
-    spec = load_qwen3_moe_spec(hf_dir)
-    model = build_model(spec, groups)
-    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    prepare_device("cpu")
+    model, spec, groups = loaded_model(hf_dir, tp=tp, etp=etp)
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
     data = [t.chunk(dp)[dp_rank] for t in batch(spec.vocab_size)]
     out = {}

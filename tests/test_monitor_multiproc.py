@@ -9,7 +9,7 @@ would double count).
 import pytest
 import torch
 
-from tests.multiproc import job_plan, run_plans
+from tests.multiproc import loaded_model, run_plans
 from tests.test_monitor_model import actor_step, batch, tiny_actor
 
 pytestmark = pytest.mark.slow
@@ -17,18 +17,11 @@ pytestmark = pytest.mark.slow
 
 def rank_counts(rank, hf_dir, tp, ep, etp):
     from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from backend.model import build_model
     from backend.monitor import ExpertLoadMonitor
-    from backend.qwen3_moe import load_qwen3_moe_spec
     from backend.router_tap import RouterTap
-    from converters.hf_io import read_state_dict
-    from converters.sharding import load_hf_sharded
 
-    groups = init_parallel(prepare_device("cpu"), job_plan(tp=tp, ep=ep, etp=etp))
-    spec = load_qwen3_moe_spec(hf_dir)
-    model = build_model(spec, groups)
-    load_hf_sharded(model, read_state_dict(hf_dir), spec, groups)
+    prepare_device("cpu")
+    model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep, etp=etp)
     ids_BS, mask_BS = batch()
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
     ids_BS, mask_BS = ids_BS.chunk(dp)[dp_rank], mask_BS.chunk(dp)[dp_rank]
