@@ -140,7 +140,7 @@ R3_ROLLOUT = {
         "use R2 or disabled until a vllm-ascend for vLLM >= 0.22 fits the image "
         "(check vllm-ascend's release notes)"
     ),
-    "cpu": "the CPU rollout returns them",
+    "cpu": "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE kernel's experts)",
 }
 
 
@@ -320,7 +320,18 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
+    _check_cpu_rollout_model(Path(str(_override(groups, "actor_rollout_ref.model.path"))))
     return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _check_cpu_rollout_model(model: Path) -> None:
+    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
+    from recipes.local.cpu_limits import problems
+    from recipes.local.overrides import ROLLOUT_TP
+
+    found = problems(model, ROLLOUT_TP)
+    if found:
+        raise LaunchError(found[0])
 
 
 def _start_over(out: Path) -> None:
