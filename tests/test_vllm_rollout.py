@@ -1,9 +1,11 @@
 """vLLM's CPU build as the rollout (recipes/local/vllm_plugin.py, vllm_layers.py), alone.
 
-The same tiny Qwen3-MoE and tokenizer as the local run. fp32 engine: the sampled tokens'
-log-probs and the routed experts vLLM returns are compared with transformers on the same
-sequences, before and after a weight update made with the calls verl's update makes
-(`model.load_weights`, then `process_weights_after_loading`; tests/vllm_worker.py).
+The same tiny Qwen3-MoE and tokenizer as the local run. The fp32 engine serves the HF export
+(`python -m converters mcore-to-hf`) of an mcore_ep actor's checkpoint after one update: the
+sampled tokens' log-probs equal the actor's own, and the sampled tokens' log-probs and the
+routed experts equal transformers' on the same sequences, before and after a weight update
+made with the calls verl's update makes (`model.load_weights`, then
+`process_weights_after_loading`; tests/vllm_worker.py).
 
 Why the routes are the kernel's: the plugin reports what the CPU kernel's own routing function
 returns for the kernel's own inputs. Both halves are checked against transformers: the
@@ -107,9 +109,35 @@ def models(tmp_path_factory):
     return tiny_checkpoint(root / "a", seed=0), tiny_checkpoint(root / "b", seed=7)
 
 
+def sum_loss(model_output, data, dp_group=None):
+    return model_output["log_probs"].values().sum(), {}
+
+
 @pytest.fixture(scope="module")
-def fp32_llm(models):
-    llm = start_llm(models[0], "float32")
+def actor(models, world1, tmp_path_factory):
+    """(the mcore_ep engine after one update, its checkpoint exported to HF)."""
+    import os
+
+    from converters.cli import main as converters
+    from tests.test_verl_engine import build_engine
+
+    os.environ["VERL_ENGINE_DEVICE"] = "cpu"
+    engine = build_engine(models[0])
+    samples = [dict(prompt=p, response=[5, 6, 2], log_probs=[0.0] * 3) for p in PROMPTS]
+    data = verl_batch(samples, routes=False)
+    with engine.train_mode():
+        engine.train_batch(data, loss_function=sum_loss)
+    root = tmp_path_factory.mktemp("actor")
+    engine.save_checkpoint(str(root / "ckpt"), global_step=1)
+    argv = ["mcore-to-hf", str(root / "ckpt"), str(root / "hf"), "--template", str(models[0]),
+            "--no-progress"]  # fmt: skip
+    assert converters(argv) == 0
+    return engine, root / "hf"
+
+
+@pytest.fixture(scope="module")
+def fp32_llm(actor):
+    llm = start_llm(actor[1], "float32")
     yield llm
     stop_llm(llm)
 
@@ -130,14 +158,25 @@ def test_the_plugin_is_vllms_and_knows_what_it_relies_on(monkeypatch):
         vllm_plugin.check_internals()
 
 
-def test_fp32_rollout_equals_transformers_with_the_kernels_routes(fp32_llm, models):
+def test_the_export_serves_the_actors_log_probs(fp32_llm, actor):
+    """vLLM on the HF export of the actor's checkpoint samples with the actor's log-probs."""
+    engine, _ = actor
     samples = sample(fp32_llm, PROMPTS)
-    worst, compared = check_against_transformers(models[0], samples)
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(verl_batch(samples, routes=False))["model_output"]
+    gaps = [(lp[len(s["prompt"]) - 1 : -1] - torch.tensor(s["log_probs"])).abs().max()
+            for lp, s in zip(log_probs["log_probs"].unbind(), samples, strict=True)]  # fmt: skip
+    assert max(gaps) < LOGPROB_TOLERANCE
+
+
+def test_fp32_rollout_equals_transformers_with_the_kernels_routes(fp32_llm, actor):
+    samples = sample(fp32_llm, PROMPTS)
+    worst, compared = check_against_transformers(actor[1], samples)
     assert worst < LOGPROB_TOLERANCE
     assert compared == sum(len(s["prompt"]) + len(s["response"]) - 1 for s in samples) * 2
 
 
-def test_a_weight_update_reaches_every_cpu_kernel(fp32_llm, models):
+def test_a_weight_update_reaches_every_cpu_kernel(fp32_llm, models, actor):
     """After loading other weights as verl's update does, vLLM samples from them: linears kept
     their weights (mutation: packed and freed, the load fails), the experts were prepacked
     again (mutation: no repack, the new weights' routes are not reproduced) and routes still
@@ -147,17 +186,17 @@ def test_a_weight_update_reaches_every_cpu_kernel(fp32_llm, models):
     after = sample(fp32_llm, PROMPTS)
     worst, _ = check_against_transformers(models[1], after)
     assert worst < LOGPROB_TOLERANCE
-    old_view, _ = transformers_view(models[0], after[0]["prompt"], after[0]["response"])
+    old_view, _ = transformers_view(actor[1], after[0]["prompt"], after[0]["response"])
     assert float((old_view - torch.tensor(after[0]["log_probs"])).abs().max()) > 1e-2
     assert before[0]["routes"].shape[1:] == after[0]["routes"].shape[1:]
 
 
-def verl_batch(samples):
-    """The samples as the batch verl's trainer hands the actor: rollout log-probs and the
-    rollout's routes (each row's last position a placeholder, never fed)."""
+def verl_batch(samples, routes: bool = True):
+    """The samples as the batch verl's trainer hands the actor: rollout log-probs and, with
+    `routes`, the rollout's routes (each row's last position a placeholder, never fed)."""
     from verl.utils import tensordict_utils as tu
 
-    rows, routes = [], []
+    rows, routed = [], []
     for s in samples:
         prompt, response = torch.tensor(s["prompt"]), torch.tensor(s["response"])
         ids, ones = torch.cat([prompt, response]), torch.ones(len(response), dtype=torch.long)
@@ -167,10 +206,12 @@ def verl_batch(samples):
             response_mask=ones, loss_mask=ones, advantages=torch.zeros(len(response)),
             rollout_log_probs=torch.tensor(s["log_probs"]),
         ))  # fmt: skip
-        fed = s["routes"].to(torch.int16)
-        routes.append(torch.cat([fed, torch.zeros_like(fed[:1])]))
+        if routes:
+            fed = s["routes"].to(torch.int16)
+            routed.append(torch.cat([fed, torch.zeros_like(fed[:1])]))
     data = tu.list_of_dict_to_tensordict(rows)
-    data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
+    if routes:
+        data["routed_experts"] = torch.nested.as_nested_tensor(routed, layout=torch.jagged)
     tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=64, temperature=1.0,
                          calculate_entropy=False, global_batch_size=len(rows))  # fmt: skip
     return data
@@ -214,7 +255,7 @@ def test_r3_routes_the_fp32_actor_as_the_bf16_rollout_did(bf16_samples, near_tie
     tokens of a near-tied router. R3 forces the rollout's experts on every fed token, in the old-log-prob pass and
     in the update, and the log-prob gap of the tokens read from those positions shrinks
     (mutation: R3 forcing nothing leaves both as in disabled)."""
-    from tests.test_router_replay import Watch, sum_loss
+    from tests.test_router_replay import Watch
     from tests.test_verl_engine import build_engine
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
