@@ -49,7 +49,7 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, **kw: started.append(cmd) or 0)
     monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
     return started
 
@@ -298,6 +298,23 @@ def test_missing_files_fail_before_anything_starts(files, nothing_starts, capsys
     assert nothing_starts == []
 
 
+def test_data_sources_are_checked_against_the_configured_reward(files, nothing_starts, capsys):
+    """verl's default scorer knows math_dapo, not 'my_task'; a custom reward function scores
+    every source, so then the function's file must be there instead (all before Ray)."""
+    table = pq.read_table(files["--train-file"]).to_pydict()
+    pq.write_table(pa.table({**table, "data_source": ["my_task"]}), files["--train-file"])
+    dry = argv(files, "--device", "cuda", "--dry-run")
+    _fails_with_one_line(capsys, dry, "data_source 'my_task'", "reward.custom_reward_function")
+    reward = REPO / "recipes" / "local" / "task.py"
+    custom = ["--", f"reward.custom_reward_function.path={reward}",
+              "reward.custom_reward_function.name=compute_score"]  # fmt: skip
+    assert launch.main(dry + custom) == 0
+    capsys.readouterr()
+    missing = ["--", "reward.custom_reward_function.path=nope.py"]
+    _fails_with_one_line(capsys, dry + missing, "reward.custom_reward_function.path nope.py")
+    assert nothing_starts == []
+
+
 def test_model_without_weights_fails_a_real_launch(files, nothing_starts, capsys):
     _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "no model.safetensors")
     assert nothing_starts == []
@@ -365,7 +382,9 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
 
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, **kw: started.append((cmd, env)) or 0
+    )
     monkeypatch.setattr(local_run, "finish", lambda *args: 0)
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
     ((cmd, env),) = started

@@ -85,6 +85,13 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
         assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
         assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
         assert json.loads((actor / "meta.json").read_text())["global_step"] == step
+    # verl's own data.pt: the exact allow-list the launcher and the engine check it with
+    from converters.safe_pickle import TORCH_SAVE_ALLOWED
+    from recipes.dapo.resume import check_data_state
+    from tests.test_resume import pickled_globals
+
+    check_data_state(ckpt / "global_step_2")
+    assert pickled_globals(ckpt / "global_step_2" / "data.pt") == TORCH_SAVE_ALLOWED
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_max_logits_diff"] < 1e-4
     assert (out / "export_hf" / "config.json").is_file()
@@ -99,11 +106,7 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
     src, _ = run3
-    out = tmp_path / "resumed"
-    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
-    shutil.copytree(src / "data", out / "data")
-    shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
-    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    out = resumable_copy(src, tmp_path / "resumed")
     rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
     (out / "metrics").mkdir()
@@ -121,6 +124,40 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
         json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
         == 3
     )
+
+
+def resumable_copy(src: Path, out: Path) -> Path:
+    """A run directory holding run3's model, data and its step-2 save as the latest."""
+    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
+    shutil.copytree(src / "data", out / "data")
+    shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    return out
+
+
+@pytest.mark.trainer_flow
+def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_path):
+    """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
+    the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
+    driver that reaches the user as the engine's one line and exit 2, the traceback only in
+    the run's trainer.log. The relaunch ends at verl's checkpoint load, before any step."""
+    out = resumable_copy(run3[0], tmp_path / "damaged")
+    model = out / "checkpoints" / "global_step_2" / "actor" / "model" / "dist_ckpt"
+    chunks = json.loads((model / "manifest.json").read_text())["files"]["__0_0.distcp"]
+    offset, length, _ = max(chunks["chunks"], key=lambda chunk: chunk[1])  # a tensor's
+    raw = bytearray((model / "__0_0.distcp").read_bytes())
+    raw[offset + length // 2] ^= 0xFF
+    (model / "__0_0.distcp").write_bytes(bytes(raw))
+    proc = launch(out, "--resume", "--steps", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {model / '__0_0.distcp'}: bytes {offset}-{offset + length} differ from "
+        "manifest.json: the checkpoint was damaged or changed after it was written; restore it "
+        f"from a good copy (the trainer's traceback: {out / 'trainer.log'})"
+    )
+    assert "Traceback" not in proc.stderr
+    log = (out / "trainer.log").read_text()
+    assert "RayTaskError(CheckpointError)" in log and "Traceback (most recent call last)" in log
 
 
 @pytest.mark.trainer_flow

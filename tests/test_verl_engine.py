@@ -395,9 +395,12 @@ def test_micro_batches_respect_the_padded_token_budget():
         split_to([[0], [1]], 7)
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "crafted .metadata", "no manifest"])
+@pytest.mark.parametrize(
+    "damage", ["flipped byte", "crafted .metadata", "no manifest", "crafted data.pt"]
+)
 def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make_engine, tmp_path):
-    """Resume reads nothing megatron would unpickle before the manifest and allow-list pass."""
+    """Resume reads nothing megatron would unpickle before the manifest and allow-list pass,
+    nor lets verl unpickle its data.pt (verl loads it once load_checkpoint has returned)."""
     from converters.hf_io import CheckpointError
     from tests.test_safe_checkpoints import _call
 
@@ -420,11 +423,16 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make
         manifest["files"][".metadata"] = hash_file(model_dir / ".metadata")
         # a manifest that agrees does not make it loadable
         (model_dir / "manifest.json").write_text(json.dumps(manifest))
-    else:
+    elif damage == "no manifest":
         (model_dir / "manifest.json").unlink()
+    else:
+        from tests.test_resume import crafted_data_state
+
+        crafted_data_state(root.parent / "data.pt", victim)
     with pytest.raises(CheckpointError) as err:
         make_engine().load_checkpoint(str(root))
-    assert "\n" not in str(err.value) and str(model_dir) in str(err.value)
+    where = root.parent / "data.pt" if damage == "crafted data.pt" else model_dir
+    assert "\n" not in str(err.value) and str(where) in str(err.value)
     assert not victim.exists()
 
 

@@ -89,11 +89,27 @@ def check_ray(device: str, expected: int) -> None:
         )
 
 
-def run_command(cmd: list[str], env: dict[str, str]) -> int:
+def run_command(
+    cmd: list[str], env: dict[str, str], log: Path | None = None, debug: bool = False
+) -> int:
     """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
     passed on to the child (which stops its run and its Ray job), and the launcher waits for
-    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports)."""
-    child = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO)
+    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports).
+
+    With `log`, the child's output also goes to that file (recipes.dapo.trainer_output), and
+    a checkpoint the engine refused raises that CheckpointError here, in one line, its
+    traceback in the log (and on the console with `debug`)."""
+    from recipes.dapo.trainer_output import TrainerOutput
+
+    pipe = subprocess.PIPE if log else None
+    child = subprocess.Popen(
+        cmd,
+        env={**os.environ, **env, **({"PYTHONUNBUFFERED": "1"} if log else {})},
+        cwd=REPO,
+        stdout=pipe,
+        stderr=pipe,
+    )
+    output = TrainerOutput(child, log, debug) if log else None
 
     def forward(signum, frame) -> None:
         child.send_signal(signum)
@@ -102,8 +118,22 @@ def run_command(cmd: list[str], env: dict[str, str]) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in forwarded} if main_thread else {}
     try:
-        code = child.wait()
+        while (code := _wait(child)) is None:
+            if output:
+                output.release_stale()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    refused = output.finish(code) if output else None
+    if refused:
+        from converters.hf_io import CheckpointError
+
+        raise CheckpointError(f"{refused} (the trainer's traceback: {output.log_path})")
     return 128 - code if code < 0 else code
+
+
+def _wait(child: subprocess.Popen, poll_s: float = 5.0) -> int | None:
+    try:
+        return child.wait(timeout=poll_s)
+    except subprocess.TimeoutExpired:
+        return None

@@ -610,8 +610,10 @@ class McoreEpEngine(BaseEngine):
             )
         if with_optim:
             weights.check_optim_dir(root)
+        # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
         weights.check_sealed(
-            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
+            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else []),
+            step_dir=root.parent,
         )
         self.onload(
             model=self.is_param_offload_enabled,

@@ -7,10 +7,12 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 Local run (no accelerator, or --device cpu): the embedded CPU recipe.
 Everything after `--` passes through as verl overrides (or local-run flags).
 
-Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse or a missing file
-(one line naming it and the fix, before anything starts; --debug shows the traceback), the
-training child's own status otherwise (SIGINT / SIGTERM are passed on to it and it is waited
-for: 130 / 143 when it ends by them).
+Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse, a missing file or
+a checkpoint refused on resume (one line naming it and the fix; the launcher's own checks run
+before anything starts, the engine's refusal comes back from the training child with its
+traceback in the run's trainer.log; --debug shows the tracebacks), the training child's own
+status otherwise (SIGINT / SIGTERM are passed on to it and it is waited for: 130 / 143 when
+it ends by them).
 """
 
 import argparse
@@ -21,7 +23,16 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, stack
+from recipes.dapo import (
+    BACKEND,
+    check_actor_cp,
+    cluster,
+    data,
+    overrides,
+    resume,
+    stack,
+    trainer_output,
+)
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -144,20 +155,16 @@ R3_ROLLOUT = {
 }
 
 
-def _override(groups: dict[str, dict], key: str):
-    return next(
-        (v for kv in groups.values() for k, v in kv.items() if overrides.key_of(k) == key), None
-    )
-
-
 def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
     """What routing replay needs from the rollout (printed by the dry run)."""
-    mode = str(_override(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled")
+    mode = str(
+        overrides.value_of(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled"
+    )
     if mode == "disabled":
         return []
     lines = [f'routing replay: {mode} (recipes/README.md, "Routing replay")']
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
-    on = str(_override(groups, key)).lower() == "true"
+    on = str(overrides.value_of(groups, key)).lower() == "true"
     if mode == "R3":
         source = R3_ROLLOUT[device]
         lines.append(f"  R3 needs the rollout's routed_experts: {source}")
@@ -199,14 +206,30 @@ def check_model(path: str) -> Path:
     return model
 
 
-def check_data(train: str | None, val: str | None, counts: bool = False) -> None:
-    """Each data file given (a dry run may give either or none)."""
-    for path, dataset in ((train, data.TRAIN), (val, data.VAL)):
-        if path is None:
-            continue
-        report = data.check_file(Path(path).expanduser(), dataset, counts=counts)
+def check_data(train: str | None, val: str | None, groups: dict, counts: bool = False) -> None:
+    """Each data file given (a dry run may give either or none), its data_source values
+    against the reward these overrides configure."""
+    given = [(p, d) for p, d in ((train, data.TRAIN), (val, data.VAL)) if p is not None]
+    scorer = reward_scorer(groups) if given else None
+    for path, dataset in given:
+        report = data.check_file(Path(path).expanduser(), dataset, counts=counts, scorer=scorer)
         if not report.ok:
             raise LaunchError(f"{dataset.name} {report.path}: " + "; ".join(report.problems))
+
+
+def reward_scorer(groups: dict):
+    """The scoring function verl's reward manager will use (data.check_file's `scorer`): None
+    for a custom_reward_function (it scores every data_source), else verl's default one."""
+    custom = overrides.value_of(groups, "reward.custom_reward_function.path")
+    if custom not in (None, "", "null"):
+        if not (cluster.REPO / Path(str(custom)).expanduser()).is_file():
+            raise LaunchError(
+                f"reward.custom_reward_function.path {custom} does not exist: pass the file "
+                "that defines the reward function (relative paths start at the repository)"
+            )
+        return None
+    manager = overrides.value_of(groups, "reward.reward_manager.name") or data.DAPO_MANAGER
+    return data.default_scorer(str(manager))
 
 
 def resolve(args, device: str, extra: list[str]) -> Resolved:
@@ -237,7 +260,6 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
     skew = _assumed_skew(args.skew_from)
     fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
-    check_data(args.train_file, args.val_file)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
         from converters.hf_io import shard_files
@@ -261,6 +283,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
+    check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
     return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, skew))
 
 
@@ -320,7 +343,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
-    _check_cpu_rollout_model(Path(str(_override(groups, "actor_rollout_ref.model.path"))))
+    _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
     return Resolved(run, None, groups, replaced), out, hf_dir
 
 
@@ -338,7 +361,7 @@ def _start_over(out: Path) -> None:
     """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
     import shutil
 
-    old = [out / "checkpoints", out / "metrics", out / "tensorboard"]
+    old = [out / p for p in ("checkpoints", "metrics", "tensorboard", trainer_output.LOG_NAME)]
     if any(p.exists() for p in old):
         print(f"starting over in {out} (add --resume to continue the run there)")
         for p in old:
@@ -355,16 +378,19 @@ def run(args, extra: list[str]) -> int:
             return 0
         from recipes.local.run import run as run_local
 
-        return run_local(resolved, out, hf_dir, t0)
+        resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
+        return run_local(resolved, out, hf_dir, t0, debug=args.debug)
     resolved = resolve(args, device, extra)
     print(resolved.describe())
     if args.dry_run:
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
+    resume.check_resume(resolved.groups, cluster.REPO)
     if device == "npu":
         cluster.raise_open_files()
     cluster.check_ray(device, resolved.run.plan.world)
-    return cluster.run_command(resolved.command, resolved.run.env)
+    log = Path(resolved.run.ckpt_dir) / trainer_output.LOG_NAME
+    return cluster.run_command(resolved.command, resolved.run.env, log=log, debug=args.debug)
 
 
 def main(argv: list[str] | None = None) -> int:

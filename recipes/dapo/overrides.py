@@ -224,6 +224,11 @@ def key_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def value_of(groups: dict[str, dict], key: str):
+    """The value an override sets for config path `key` (None when none does)."""
+    return next((v for kv in groups.values() for k, v in kv.items() if key_of(k) == key), None)
+
+
 def merge(groups: dict[str, dict], extra: list[str]) -> tuple[dict[str, dict], list[str]]:
     """Pass-through overrides replace ours with the same key; others go to an 'extra' group."""
     replaced, groups = [], {g: dict(kv) for g, kv in groups.items()}

@@ -119,12 +119,16 @@ def render_routing_report(report: Path, out: Path) -> dict:
     return {"routing_report": out / "routing_report.json", "routing_html": html}
 
 
-def run(resolved, out: Path, hf_dir: Path, t0: float) -> int:
+def run(resolved, out: Path, hf_dir: Path, t0: float, debug: bool = False) -> int:
     from recipes.dapo.cluster import run_command
+    from recipes.dapo.trainer_output import LOG_NAME
 
-    code = run_command(resolved.command, resolved.run.env)
+    code = run_command(resolved.command, resolved.run.env, log=out / LOG_NAME, debug=debug)
     verl_s = time.perf_counter() - t0
     if code != 0:
-        print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
+        print(
+            f"error: verl's trainer exited with status {code} (its output: {out / LOG_NAME})",
+            file=sys.stderr,
+        )
         return code
     return finish(out, hf_dir, time.perf_counter() - t0, verl_s)
