@@ -117,6 +117,7 @@ class Resolved:
             lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
             lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
+        lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
         lines += replay_lines(self.groups, run.device)
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
@@ -145,13 +146,11 @@ class Resolved:
 
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
-    "npu": (
-        "vLLM >= 0.22 with a vllm-ascend built for it; the npu set's vllm 0.11.0 + "
-        "vllm-ascend 0.11.0rc1 (what fits torch 2.7.1) return no routed_experts, so on A2 "
-        "use R2 or disabled until a vllm-ascend for vLLM >= 0.22 fits the image "
-        "(check vllm-ascend's release notes)"
+    "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
+    "cpu": (
+        "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE "
+        "kernel's experts)"
     ),
-    "cpu": "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE kernel's experts)",
 }
 
 
