@@ -49,7 +49,9 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
+    )
     monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
     return started
 
@@ -100,6 +102,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         **(cluster.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
+        "TQ_NUM_THREADS": cluster.transferqueue_threads(),  # at most this machine's cores
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
     aux_loss = "{" + ",".join(f"{k}:{fmt(v)}" for k, v in overrides.AUX_LOSS.items()) + "}"
@@ -153,6 +156,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.router_replay": "disabled",
         f"{engine}.packed": False,
         f"{engine}.monitor.assumed_ep_skew": skew,
+        f"{engine}.monitor.run_name": f"'qwen3-30b-a3b-{'a2' if a2 else 'h100'}-tp4-ep8'",
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
         f"{rollout}.tensor_model_parallel_size": D["rollout_tp"],
@@ -365,8 +369,10 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
 
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
-    monkeypatch.setattr(local_run, "finish", lambda *args: 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append((cmd, env)) or 0
+    )
+    monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
