@@ -65,6 +65,8 @@ def test_warnings_are_told_from_values_progress_bars_and_info():
                       " UserWarning: Apex is not installed. Falling back to Torch Norm")  # fmt: skip
     assert warning_text(python_warning).startswith("megatron/core/models/backends.py:21: User")
     assert warning_text("WARNING [comm_share] step 3: communication takes 40%") is not None
+    vllm = "(EngineCore pid=9) WARNING 12-01 17:35:41 [cpu.py:118] Pin memory is not supported"
+    assert warning_text(clean(vllm)) == "WARNING [cpu.py:118] Pin memory is not supported"
     assert warning_text("ERROR worker.py:421 -- Unhandled error (suppress with ...)") is not None
     assert all(warning_text(clean(line)) is None for line in NOISE)
     assert len(warning_text("UserWarning: " + "x" * 500)) == 200
@@ -175,3 +177,35 @@ def test_run_command_with_a_console_still_passes_sigterm_on(tmp_path):
     threading.Thread(target=terminate_when_ready, daemon=True).start()
     assert cluster.run_command([sys.executable, "-c", child], {}, con) == 7
     assert mark.read_text() == "x" and "stopping" in con.log_path.read_text()
+
+
+def test_verbose_shows_every_line_as_it_comes(tmp_path):
+    con, out = console(tmp_path, verbose=True)
+    fed = [verl_step_lines()[3], *NOISE, TQ, TQ]
+    for line in fed:
+        con.feed(line + "\n")
+    con.child_done(0)
+    shown = out.getvalue().splitlines()
+    assert shown[: len(fed)] == fed and shown[len(fed) :] == [
+        "alarms: none",
+        f"log: {con.log_path}",
+    ]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_status_line_that_the_next_line_clears(tmp_path):
+    con, _ = console(tmp_path, total_steps=35)
+    con.out = Terminal()
+    con.feed(NOISE[2] + "\n")  # a progress bar of verl's: logged, and shown as the status
+    status = con.out.getvalue()
+    assert (
+        status.startswith("\r\x1b[K[....................]  0/35 ") and "Training Progress" in status
+    )
+    con.feed(verl_step_lines()[1] + "\n")
+    after = con.out.getvalue()[len(status) :]
+    assert after.startswith("\r\x1b[K[#...................]  1/35 | ")  # cleared, then the step
+    assert "\r" not in con.log_path.read_text()

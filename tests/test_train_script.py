@@ -256,6 +256,25 @@ def test_verl_composes_and_validates_the_overrides(device, files):
     algo = omega_conf_to_dataclass(cfg.algorithm)
     assert (algo.filter_groups.enable, algo.filter_groups.metric) == (True, "acc")
     assert cfg.reward.reward_kwargs.overlong_buffer_cfg.len == 4096
+    assert actor.engine.monitor["run_name"] == cfg.trainer.experiment_name  # the report's title
+    assert actor.engine.guards == {}  # the guards are opt-in
+
+
+def test_the_guards_pass_through_as_the_readme_writes_them(files):
+    """README, "Run health": one pass-through override turns the entropy floor on."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from backend.guards import GuardSettings
+
+    guard = "+actor_rollout_ref.actor.mcore_ep.guards={entropy_floor:{enable:true,floor:0.3}}"
+    assert guard in (REPO / "README.md").read_text()
+    cli = launch.overrides.to_cli(resolved("cuda", files, guard).groups)
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=cli)
+    engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine
+    settings = GuardSettings.from_dict(engine.guards)
+    assert settings.entropy_floor.floor == 0.3 and settings.kl is None
 
 
 def _fails_with_one_line(capsys, args, *needles):

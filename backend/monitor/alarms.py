@@ -183,7 +183,7 @@ class HealthAlarms:
         drop = None
         if before and now is not None and (before - now) / before > r.entropy_drop:
             fall = (before - now) / before
-            drop = self._alarm("entropy_drop", step, f"policy entropy fell {fall:.0%} in "
+            drop = self._alarm("entropy_drop", step, f"policy entropy fell {fall:.1%} in "
                                f"{r.entropy_window} steps ({before:.3g} -> {now:.3g}), faster "
                                f"than {r.entropy_drop:.0%}", "entropy", measured=fall,
                                threshold=r.entropy_drop)  # fmt: skip

@@ -5,7 +5,7 @@ from html import escape
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:2px 8px;
 text-align:right}th{background:#f3f3f3}img{max-width:100%;display:block;margin:1em 0}
-.flag{color:#b00}.log td{text-align:left}.log td:first-child{white-space:nowrap}"""
+.flag{color:#b00}.log td{text-align:left}.log td:nth-child(-n+3){white-space:nowrap}"""
 
 
 def fmt(value) -> str:

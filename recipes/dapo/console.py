@@ -8,14 +8,16 @@ and shows on the console only:
   KL (the KL loss, or the update's ppo_kl), grad norm, rollout-vs-actor |log-prob diff|,
   routing agreement, the worst layer's routing concentration (max/mean) and EP skew, step
   time and communication share;
-- each distinct warning or error line once (numbers masked to tell them apart), and the
-  count of every repeated one at the end;
+- each distinct warning or error line once (numbers masked to tell them apart), and after
+  the child ended the counts of the most repeated ones (all of them at the end of the log);
 - the run-health alarms (backend.monitor.alarms) that the step metrics raise, also appended
   to `<run>/alarms.jsonl` and written to tensorboard (`alarms/<kind>`), whence the routing
   report takes them (recipes.dapo.health);
 - on a failure, the last lines of the log.
 On a terminal a status line (progress, elapsed time, the latest line) shows the run is alive.
 `verbose=True` shows every line as it comes (the stream as it was), alarms included.
+`capture()` treats what the launcher itself prints meanwhile (the run's finish) the same way,
+so that the summary, printed after `close()`, is the last thing on the console.
 """
 
 import io
@@ -43,7 +45,8 @@ WARNING = re.compile(
     r"(?:^|[\s\[(|:,-])(?:WARNING|WARN|ERROR|CRITICAL)(?:[\s\]):|,-]|$)"
     r"|\b[A-Z]\w*(?:Warning|Error): |^(?:Warning|Error): |^\[?[WE]\d{4} "
 )
-TIMESTAMP = re.compile(r":?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?:?\s*")
+# 2026-12-01 17:35:41,415 (logging, Ray) or 12-01 17:35:41 (vLLM), with the colons around it
+TIMESTAMP = re.compile(r":?(?:\d{4}-)?\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?:?\s*")
 SITE_PACKAGES = re.compile(r"\S*/site-packages/")
 NUMBER = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
 SHOWN_WIDTH = 200  # characters of a warning shown on the console
@@ -59,7 +62,7 @@ def clean(raw: str) -> str:
 
 
 def number(text: str) -> float | None:
-    """A value of verl's console line (pformat: 0.5, nan, np.float64(0.5), True)."""
+    """A value of verl's console line (pformat: 0.5, nan, np.float64(0.5)); None otherwise."""
     m = NUMPY_SCALAR.match(text)
     text = m.group(1) if m else text
     try:
@@ -85,7 +88,7 @@ def warning_text(text: str) -> str | None:
     """The line as shown once (timestamps dropped, package paths shortened), if a warning."""
     if not WARNING.search(text):
         return None
-    shown = SITE_PACKAGES.sub("", TIMESTAMP.sub(" ", text)).strip()
+    shown = re.sub(" {2,}", " ", SITE_PACKAGES.sub("", TIMESTAMP.sub(" ", text))).strip()
     return shown if len(shown) <= SHOWN_WIDTH else shown[: SHOWN_WIDTH - 3] + "..."
 
 
