@@ -75,6 +75,7 @@ def train(engine, steps: int, ref_shift: float | None = None, actor_config=None)
     return entropies, metrics
 
 
+@pytest.mark.slow
 def test_the_entropy_floor_holds_the_policy_near_it_where_the_bare_run_collapses(engine_for):
     floor = {"entropy_floor": {"enable": True, "floor": FLOOR}}
     bare, _ = train(engine_for(), STEPS)

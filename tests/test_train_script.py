@@ -334,7 +334,7 @@ def test_npu_without_torch_npu_fails_before_anything_starts(files, nothing_start
     assert nothing_starts == []
 
 
-def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path):
+def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path, capsys):
     """The real launcher end to end but for two stand-ins found where it looks for them: a
     `ray` and a `python` (sys.executable) that log their calls. The real check_ray reads the
     real `ray status` call; the real run_command starts the real command line in the repo with
@@ -381,6 +381,12 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert "actor_rollout_ref.actor.strategy=mcore_ep" in args
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "VERL_USE_EXTERNAL_MODULES" not in env
+    assert env["TQ_NUM_THREADS"] == cluster.transferqueue_threads()
+    # the child's output went through the console: its log in the run, its status on screen
+    out = capsys.readouterr().out
+    log = files["--ckpt-dir"] / "logs" / "launch_000.log"
+    assert f"log: {log}" in out and "the training job exited with status 3" in out
+    assert log.read_text().startswith("DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on")
 
 
 def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_path, capsys):
