@@ -34,13 +34,15 @@ def _good(target: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def nothing_starts(monkeypatch):
+def nothing_starts(monkeypatch, tmp_path):
     """A resolved plan (files and plan checked), then whatever the launcher starts."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, **kw: started.append(cmd) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
+    )
     monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
     monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
-    run = SimpleNamespace(plan=SimpleNamespace(world=32), env={}, ckpt_dir="<ckpt-dir>")
+    run = SimpleNamespace(plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path))
     plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"], groups={})
     monkeypatch.setattr(launch, "resolve", lambda *a: plan)
     return started
