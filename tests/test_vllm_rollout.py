@@ -19,7 +19,7 @@ import gc
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LOGPROB_TOLERANCE = 1e-5  # fp32 vLLM vs fp32 transformers, sampled tokens
 PROMPTS = ([1, 25, 23, 19, 22, 3, 7, 14, 7, 17, 2, 3, 1, 24, 28, 28], [1, 25, 23, 19, 22, 3, 9])
 # a distinct first token per prompt (rows are told apart by it in tests.test_router_replay.Watch)
