@@ -98,7 +98,7 @@ def test_verify_hf_vs_dist_and_manifests(tiny_hf_dir, mcore_dir, sharded_hf_dir,
     manifest = json.loads((mcore_dir / "manifest.json").read_text())
     entry = manifest["tensors"]["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert (
-        entry["shape"] == [192, 64] and entry["dtype"] == "float32" and len(entry["sha256"]) == 64
+        entry["shape"] == [256, 64] and entry["dtype"] == "float32" and len(entry["sha256"]) == 64
     )
     assert "verify: 69 tensors compared, 0 mismatches" in capsys.readouterr().out
 
@@ -208,21 +208,24 @@ def _broken_copy(src: Path, dst: Path) -> Path:
 
 
 def test_missing_and_truncated_shards(sharded_hf_dir, tmp_path, capsys):
+    second, third = sorted(
+        set(json.loads((sharded_hf_dir / INDEX).read_text())["weight_map"].values())
+    )[1:3]
     broken = _broken_copy(sharded_hf_dir, tmp_path / "missing")
-    (broken / "model-00002-of-00007.safetensors").unlink()
+    (broken / second).unlink()
     _one_line_error(
         capsys,
         ["hf-to-mcore", str(broken), str(tmp_path / "o")],
-        "names missing shard(s) model-00002-of-00007.safetensors",
+        f"names missing shard(s) {second}",
         "re-download",
     )
     cut = _broken_copy(sharded_hf_dir, tmp_path / "cut")
-    shard = cut / "model-00003-of-00007.safetensors"
+    shard = cut / third
     shard.write_bytes(shard.read_bytes()[:-100])
     _one_line_error(
         capsys,
         ["hf-to-mcore", str(cut), str(tmp_path / "o")],
-        "model-00003-of-00007.safetensors is unreadable or truncated",
+        f"{third} is unreadable or truncated",
         "re-download",
     )
     assert not (tmp_path / "o").exists()
