@@ -51,7 +51,8 @@ def sources(tiny_hf_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(
-        "recipes.dapo.cluster.run_command", lambda cmd, env: pytest.fail(f"started {cmd}")
+        "recipes.dapo.cluster.run_command",
+        lambda cmd, env, watch=None: pytest.fail(f"started {cmd}"),
     )
     ctx = Ctx(tmp_path, *sources)
     argv = [str(a) for a in case.setup(ctx)]

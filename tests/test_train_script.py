@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch, overrides, stack
+from recipes.dapo import cluster, launch, lost_node, overrides, stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,8 +49,10 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
-    monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, watch=None: started.append(cmd) or 0
+    )
+    monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append(["ray", "status"]))
     return started
 
 
@@ -97,6 +99,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
     )
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
         **(cluster.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
@@ -329,6 +332,8 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     python.write_text(record + "sys.exit(3)\n")
     monkeypatch.setattr(sys, "executable", str(python))  # cluster.ray_executable: its sibling
     monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
+    # the node watch reads the cluster's node table from Ray's GCS, which the stand-in lacks
+    monkeypatch.setattr(lost_node.NodeWatch, "follow", lambda self, child: None)
 
     def calls():
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -365,7 +370,9 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
 
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, watch=None: started.append((cmd, env)) or 0
+    )
     monkeypatch.setattr(local_run, "finish", lambda *args: 0)
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
     ((cmd, env),) = started

@@ -20,7 +20,19 @@ A2_ENV = {
 }
 OPEN_FILES = 65536
 _DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
-RAY_KIND = {"cuda": "GPU", "npu": "NPU"}
+# the Ray resource each device's ranks ask for; the CPU platform declares "GPU"
+# (recipes/local/platform.py)
+RAY_KIND = {"cuda": "GPU", "npu": "NPU", "cpu": "GPU"}
+# how soon Ray's GCS calls a node dead (its raylet misses health checks): Ray's defaults, pinned
+# on every node by ray_node.py. A node whose processes died misses them at once: dead after
+# ~5 x 3 s; a host that vanished times each check out: under a minute (recipes/README.md,
+# "A lost node")
+RAY_HEALTH = {
+    "RAY_health_check_initial_delay_ms": "5000",
+    "RAY_health_check_period_ms": "3000",
+    "RAY_health_check_timeout_ms": "10000",
+    "RAY_health_check_failure_threshold": "5",
+}
 
 
 class LaunchError(RuntimeError):
@@ -38,13 +50,38 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO) not in pythonpath:
         pythonpath.append(str(REPO))
-    env = {"PYTHONPATH": os.pathsep.join(pythonpath)}
+    env = {"PYTHONPATH": os.pathsep.join(pythonpath), "RAY_AUTH_MODE": ray_auth_mode()}
     if device == "npu":
         env.update(A2_ENV)
+    if device == "cpu":
+        from recipes.local.overrides import CPU_ENV
+
+        env.update(CPU_ENV)
     if ifname:
         socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
         env.update({socket: ifname, "GLOO_SOCKET_IFNAME": ifname})
     return env
+
+
+def ray_auth_mode() -> str:
+    """One Ray authentication mode for every node and client of the job: token unless set.
+
+    Ray 2.60's `ray start --head` turns token authentication on by itself when it finds a
+    token (~/.ray/auth_token, which any earlier local `ray.init()` writes), while `ray start
+    --address`, `ray status` and `ray.init(address=...)` never do: without one explicit mode a
+    worker cannot join such a head."""
+    return os.environ.get("RAY_AUTH_MODE", "token")
+
+
+def ensure_auth_token(env: dict[str, str]) -> None:
+    """On the head: Ray's token (~/.ray/auth_token, or RAY_AUTH_TOKEN_PATH), made if missing
+    (`ray get-auth-token --generate`); every other node and client needs a copy of it."""
+    if env.get("RAY_AUTH_MODE") != "token":
+        return
+    cmd = [ray_executable(), "get-auth-token", "--generate"]  # prints the token: kept quiet
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, timeout=120)
+    if done.returncode != 0:
+        raise LaunchError(f"`ray get-auth-token --generate` failed: {done.stderr.decode()[-200:]}")
 
 
 def raise_open_files(limit: int = OPEN_FILES) -> None:
@@ -60,39 +97,58 @@ def ray_executable() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def ray_devices(status: str, device: str) -> int:
-    """Total GPUs / NPUs in `ray status` output."""
-    kind = RAY_KIND[device]
-    return int(sum(float(total) for _, total, k in _DEVICES.findall(status) if k == kind))
+def ray_devices(status: str) -> dict[str, int]:
+    """{"GPU": n, "NPU": m}: the cluster's totals in `ray status` output."""
+    totals = {"GPU": 0.0, "NPU": 0.0}
+    for _, total, kind in _DEVICES.findall(status):
+        totals[kind] += float(total)
+    return {kind: int(n) for kind, n in totals.items()}
 
 
-def check_ray(device: str, expected: int) -> None:
-    """The running Ray cluster offers at least `expected` devices of the right kind."""
+def check_ray(device: str, expected: int, address: str | None = None, env=None) -> None:
+    """The running Ray cluster (at `address`, or the one Ray finds from this node) offers at
+    least `expected` devices of the kind the run's ranks ask for."""
+    cmd = [ray_executable(), "status", *(["--address", address] if address else [])]
     try:
-        out = subprocess.run(
-            [ray_executable(), "status"], capture_output=True, text=True, timeout=120
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                             env={**os.environ, **(env or {})})  # fmt: skip
     except FileNotFoundError:
         raise LaunchError(
             "`ray` is not installed here: run scripts/bootstrap.sh and launch from the repo"
         ) from None
+    where = f" at {address}" if address else ""
+    if out.returncode != 0 and "Authentication" in out.stderr:
+        raise LaunchError(
+            f"the Ray cluster{where} refused this client (token authentication): launch with "
+            "RAY_AUTH_MODE=token and the head's token (~/.ray/auth_token or RAY_AUTH_TOKEN_PATH)"
+        )
     if out.returncode != 0:
         raise LaunchError(
-            "no running Ray cluster: start scripts/ray_start_head.sh on this node and "
-            "scripts/ray_start_worker.sh on the others"
+            f"no running Ray cluster{where}: start scripts/ray_start_head.sh on the head node "
+            "and scripts/ray_start_worker.sh on the others"
+            + ("" if address else " (or pass --ray-address HEAD_IP:PORT)")
         )
-    have = ray_devices(out.stdout, device)
-    if have < expected:
+    kind, have = RAY_KIND[device], ray_devices(out.stdout)
+    other = {k: n for k, n in have.items() if k != kind and n}
+    if have[kind] < expected and other:
+        ((wrong, n),) = other.items()
         raise LaunchError(
-            f"Ray cluster offers {have} {RAY_KIND[device]}s, the plan needs {expected}: start "
+            f"Ray cluster{where} offers {have[kind]} {kind} and {n} {wrong}, the {device} plan "
+            f"needs {expected} {kind} ({device} ranks ask Ray for {kind}): restart the {wrong} "
+            f"node(s) with scripts/ray_start_worker.sh --device {device}"
+        )
+    if have[kind] < expected:
+        raise LaunchError(
+            f"Ray cluster{where} offers {have[kind]} {kind}, the plan needs {expected}: start "
             "scripts/ray_start_worker.sh on the missing nodes, or lower --nodes"
         )
 
 
-def run_command(cmd: list[str], env: dict[str, str]) -> int:
+def run_command(cmd: list[str], env: dict[str, str], watch=None) -> int:
     """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
     passed on to the child (which stops its run and its Ray job), and the launcher waits for
-    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports)."""
+    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports).
+    watch: a lost_node.NodeWatch, which stops the child when a node of its cluster dies."""
     child = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO)
 
     def forward(signum, frame) -> None:
@@ -101,9 +157,14 @@ def run_command(cmd: list[str], env: dict[str, str]) -> int:
     forwarded = (signal.SIGINT, signal.SIGTERM)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in forwarded} if main_thread else {}
+    if watch is not None:
+        watch.follow(child)
+    code = None
     try:
         code = child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if watch is not None:
+            watch.close(failed=code != 0)
     return 128 - code if code < 0 else code

@@ -3,9 +3,12 @@
 Cluster run (--device npu|cuda, or the accelerator this machine has): check the plan against
 the model (parallel/), the model and data files, the device stack; decide offload with the
 memory model; print the resolved config; check `ray status`; start verl's own entry point
-(`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster.
-Local run (no accelerator, or --device cpu): the embedded CPU recipe.
-Everything after `--` passes through as verl overrides (or local-run flags).
+(`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster, watching its
+nodes (recipes.dapo.lost_node).
+Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
+own Ray; with --ray-address, the same tiny job on that running cluster, through the cluster
+run's steps (`ray status` check, job environment, node watch): the one-box rehearsal.
+Everything after `--` passes through as verl overrides.
 
 Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse or a missing file
 (one line naming it and the fix, before anything starts; --debug shows the traceback), the
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, stack
+from recipes.dapo import BACKEND, check_actor_cp, cluster, data, lost_node, overrides, stack
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -65,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ckpt-dir", help="checkpoints and logs (shared filesystem); local run: its --out"
     )
     p.add_argument("--ifname", help="network interface for HCCL/NCCL and gloo (e.g. eth0)")
+    p.add_argument(
+        "--ray-address",
+        metavar="HEAD_IP:PORT",
+        help="the running Ray cluster (ray_start_head.sh prints it); default: the one Ray finds "
+        "from this node. --device cpu: run the tiny job on it instead of the embedded run",
+    )
     p.add_argument("--dry-run", action="store_true", help="resolve and print, start nothing")
     p.add_argument(
         "--skew-from",
@@ -107,6 +116,7 @@ class Resolved:
             lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
         lines += replay_lines(self.groups, run.device)
+        lines.append(f"Ray: {ray_line(run)}")
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
         if self.replaced:
@@ -142,6 +152,14 @@ R3_ROLLOUT = {
     ),
     "cpu": "the CPU rollout returns them",
 }
+
+
+def ray_line(run: overrides.RunSpec) -> str:
+    if run.ray_address:
+        return f"the running cluster at {run.ray_address} (--ray-address)"
+    if run.device == "cpu":
+        return "a new one, started by verl's ray.init() for this run (the embedded run)"
+    return "the running cluster Ray finds from this node (ray status; --ray-address to name it)"
 
 
 def _override(groups: dict[str, dict], key: str):
@@ -256,6 +274,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         str(Path(args.val_file or "<val-file>").expanduser()),
         str(ckpt_dir),
         env,
+        ray_address=args.ray_address,
     )
     built = overrides.build(run)
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
@@ -286,9 +305,8 @@ def _skew_lines(model_fit, fit, skew) -> tuple[str, ...]:
 
 
 def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
-    """The embedded run: the same overrides on the tiny model and task (recipes.local)."""
-    import math
-
+    """The embedded run: the same overrides on the tiny model and task (recipes.local); with
+    --ray-address on that cluster's --nodes x --devices-per-node ranks."""
     from parallel.plan import ParallelPlan
     from recipes.dapo.fit import Fit
     from recipes.local import run as local
@@ -305,8 +323,8 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     layers = TINY_QWEN3_MOE["num_hidden_layers"]
     if layers % pp:
         raise LaunchError(f"--pp {pp} does not divide the tiny model's {layers} layers: use 1 or 2")
-    world = math.lcm(tp, ep) * pp  # dp: the smallest that lets the experts fold over the ranks
-    plan = ParallelPlan(nodes=1, devices_per_node=world, tp=tp, ep=ep, pp=pp)
+    nodes, per_node = _local_layout(args, tp, ep, pp)
+    plan = ParallelPlan(nodes=nodes, devices_per_node=per_node, tp=tp, ep=ep, pp=pp)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     if not args.resume and not args.dry_run:
         _start_over(out)
@@ -316,11 +334,21 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.RunSpec(
         "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
-        str(out / "checkpoints"), local.job_env(cluster.REPO, out),
-        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
+        str(out / "checkpoints"), local.job_env(out),
+        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
     return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _local_layout(args, tp: int, ep: int, pp: int) -> tuple[int, int]:
+    """(nodes, ranks per node): the cluster's with --ray-address; else one node of the
+    smallest dp that lets the experts fold over the ranks."""
+    import math
+
+    if args.ray_address:
+        return args.nodes, args.devices_per_node
+    return 1, math.lcm(tp, ep) * pp
 
 
 def _start_over(out: Path) -> None:
@@ -336,24 +364,31 @@ def _start_over(out: Path) -> None:
 
 def run(args, extra: list[str]) -> int:
     device = pick_device(args.device)
+    t0 = time.perf_counter()
     if device == "cpu":
-        t0 = time.perf_counter()
         resolved, out, hf_dir = resolve_local(args, extra)
-        print(resolved.describe())
-        if args.dry_run:
-            return 0
-        from recipes.local.run import run as run_local
-
-        return run_local(resolved, out, hf_dir, t0)
-    resolved = resolve(args, device, extra)
+    else:
+        resolved = resolve(args, device, extra)
     print(resolved.describe())
     if args.dry_run:
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
     if device == "npu":
         cluster.raise_open_files()
-    cluster.check_ray(device, resolved.run.plan.world)
-    return cluster.run_command(resolved.command, resolved.run.env)
+    env, watch = resolved.run.env, None
+    if device != "cpu" or args.ray_address:  # a running cluster: the same steps on every device
+        cluster.check_ray(device, resolved.run.plan.world, args.ray_address, env)
+        watch = lost_node.NodeWatch(args.ray_address, env)
+    if device == "cpu":
+        from recipes.local.run import run as run_local
+
+        return run_local(resolved, out, hf_dir, t0, watch)
+    code = cluster.run_command(resolved.command, env, watch)
+    resume = "relaunch the same command (trainer.resume_mode=auto resumes it)"
+    lost = lost_node.failure_line(watch, resolved.run.ckpt_dir, resume) if code else None
+    if lost:
+        print(lost, file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

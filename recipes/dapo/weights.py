@@ -186,6 +186,19 @@ def seal(root: Path, dirs: list[Path]) -> None:
     dist.barrier()
 
 
+def is_sealed(root: Path) -> bool:
+    """Whether every rank finished writing the actor checkpoint `root` (seal wrote its
+    manifests: the model's, and the optimizer's where it was saved)."""
+    from converters.manifest import NAME
+
+    optim = root / OPTIM_STATE
+    return (
+        (root / "meta.json").is_file()
+        and (root / MODEL_DIR / NAME).is_file()
+        and (not optim.exists() or (optim / NAME).is_file())
+    )
+
+
 def check_sealed(dirs: list[Path]) -> None:
     """Before megatron-core unpickles anything of a checkpoint: rank 0 checks every file
     against its manifest and vets every pickle with the allow-list (converters.safe_pickle);

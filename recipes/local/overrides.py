@@ -7,6 +7,15 @@ resume) is the cluster's.
 """
 
 PLATFORM_MODULES = "recipes.local.platform,recipes.local.rollout"
+# the CPU platform's part of the job environment (recipes.dapo.cluster.job_env): the driver's
+# and every Ray worker's, on the embedded run and on a cluster alike
+CPU_ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
+    "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
 # per-sample rollout path (timings: recipes/README.md, "The toy task")
 TOY = dict(
@@ -75,9 +84,19 @@ def cpu_overrides(run) -> dict[str, dict]:
             + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
-            "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
-            "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
-            "+ray_kwargs.ray_init.include_dashboard": False,
             "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
+            **({} if run.ray_address else embedded_ray(world)),
         },
+    }
+
+
+def embedded_ray(world: int) -> dict:
+    """The Ray that verl's ray.init() starts for the embedded run: a new one always (never a
+    cluster that `ray start` left on this machine), with what the CPU platform declares. On a
+    running cluster the nodes declare it (recipes/dapo/ray_node.py)."""
+    return {
+        "+ray_kwargs.ray_init.address": "local",
+        "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
+        "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
+        "+ray_kwargs.ray_init.include_dashboard": False,
     }

@@ -43,21 +43,16 @@ def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     return hf_dir, files
 
 
-def job_env(repo: Path, out: Path) -> dict[str, str]:
-    """The environment of the driver and (through ray_env) every Ray worker."""
-    from recipes.local.overrides import PLATFORM_MODULES
+def job_env(out: Path) -> dict[str, str]:
+    """The environment of the driver and (through ray_env) every Ray worker: the cluster
+    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs."""
+    from recipes.dapo.cluster import job_env as cluster_env
 
-    path = os.environ.get("PYTHONPATH", "")
     return {
-        "VERL_PLATFORM": "cpu",
-        "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
-        "PYTHONPATH": f"{repo}{os.pathsep}{path}" if path else str(repo),
+        **cluster_env("cpu", None),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         # verl's file logger truncates its file: each launch (a resume too) gets its own
         "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
-        "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_DEDUP_LOGS": "0",
     }
 
 
@@ -117,12 +112,15 @@ def render_routing_report(report: Path, out: Path) -> dict:
     return {"routing_report": out / "routing_report.json", "routing_html": html}
 
 
-def run(resolved, out: Path, hf_dir: Path, t0: float) -> int:
+def run(resolved, out: Path, hf_dir: Path, t0: float, watch=None) -> int:
+    """verl's trainer, then the finish. watch: a recipes.dapo.lost_node.NodeWatch on a cluster."""
     from recipes.dapo.cluster import run_command
+    from recipes.dapo.lost_node import failure_line
 
-    code = run_command(resolved.command, resolved.run.env)
+    code = run_command(resolved.command, resolved.run.env, watch)
     verl_s = time.perf_counter() - t0
     if code != 0:
-        print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
+        lost = failure_line(watch, resolved.run.ckpt_dir, resume="relaunch with --resume")
+        print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
         return code
     return finish(out, hf_dir, time.perf_counter() - t0, verl_s)

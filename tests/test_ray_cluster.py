@@ -1,0 +1,296 @@
+"""The cluster path on one box: a real two-node Ray cluster from scripts/ray_start_*.sh
+(--device cpu: a head and a second raylet, each with its own port, temp dir and one declared
+"GPU"), the launcher's cluster mode on it (`--ray-address`, the tiny DAPO job at tp1/ep2, one
+rank per node), a node lost during an update step and the resume from the last checkpoint.
+
+Every process started here is stopped here by its pid: the nodes through their scripts'
+--stop and then by their session (recipes.dapo.ray_node), the launches by their session.
+The lost node is SIGKILLed with its whole session (raylet, its workers and agents) at once.
+A kill during the rollout instead: MCORE_KILL_PHASE=rollout (by hand; CI kills the update).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.dapo import cluster, launch, lost_node, ray_node
+
+pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
+REPO = Path(__file__).resolve().parents[1]
+SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
+KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
+# from the kill to the launcher's exit, at most: Ray's verdict (5 missed health checks 3 s
+# apart, cluster.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
+# loaded 2-core machine
+BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
+PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
+QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+
+def free_port() -> int:
+    return ray_node.free_port()
+
+
+class Box:
+    """The head and worker raylets of one machine, started by the scripts; every pid kept."""
+
+    def __init__(self, root: Path):
+        self.root, self.pids, self.address = root, [], None
+        self.printed: dict[str, str] = {}  # what each script printed when it started
+
+    def start(self, role: str, *flags: str, device: str = "cpu") -> str:
+        args = ["--device", device, "--temp-dir", str(self.root / role), *flags]
+        if role == "worker":
+            args += ["--address", self.address]
+        out = subprocess.run(["bash", str(REPO / f"scripts/ray_start_{role}.sh"), *args],
+                             capture_output=True, text=True, timeout=400)  # fmt: skip
+        state = self.root / role / f"mcore_ray_{role}.json"
+        if state.is_file():
+            self.pids.append(json.loads(state.read_text())["pid"])
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    def pid(self, role: str) -> int:
+        return json.loads((self.root / role / f"mcore_ray_{role}.json").read_text())["pid"]
+
+    def stop(self, role: str) -> str:
+        script = str(REPO / f"scripts/ray_start_{role}.sh")
+        out = subprocess.run(["bash", script, "--stop", "--temp-dir", str(self.root / role)],
+                             capture_output=True, text=True, timeout=200)  # fmt: skip
+        return out.stdout + out.stderr
+
+    def lose(self, role: str) -> float:
+        """SIGKILL to every process of the node's session at once; the time of the kill."""
+        procs = ray_node.session_processes(self.pid(role))
+        assert any(p.name() == "raylet" for p in procs), [p.name() for p in procs]
+        t = time.monotonic()
+        for proc in procs:
+            try:
+                proc.kill()
+            except Exception:
+                continue
+        return t
+
+
+@pytest.fixture(scope="module")
+def box():
+    root = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths
+    cluster_box = Box(root)
+    try:
+        head = cluster_box.printed["head"] = cluster_box.start("head", "--port", str(free_port()))
+        cluster_box.address = re.search(r"Ray head up: cluster (\S+),", head)[1]
+        cluster_box.printed["worker"] = cluster_box.start("worker")
+        yield cluster_box
+    finally:
+        for role in ("worker", "head"):
+            cluster_box.stop(role)
+        for pid in cluster_box.pids:  # whatever the scripts left
+            ray_node.stop_session(pid, signal.SIGKILL, grace_s=5)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_state(address: str):
+    """Ray's own tables (GCS), read as ray.cluster_utils does, with the job's token mode."""
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = cluster.ray_auth_mode()
+    Config.initialize("")  # as Ray does when it turns token mode on in a running process
+    return lost_node.gcs_state(address)
+
+
+def alive_nodes(state) -> dict[str, dict]:
+    return {row["NodeID"]: row for row in state.node_table() if row["Alive"]}
+
+
+def running_tasks(address: str) -> list[str]:
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(address=address, filters=[("state", "=", "RUNNING")], timeout=10,
+                       raise_on_missing_output=False)  # fmt: skip
+    return [t.name for t in tasks]
+
+
+def start_launch(out: Path, box: Box, *flags: str, overrides=()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
+           box.address, *PLAN, "--ckpt-dir", str(out), *flags, "--", *QUIET, *overrides]  # fmt: skip
+    with open(out.with_suffix(".out"), "w") as stdout, open(out.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=err, start_new_session=True)
+
+
+def stop_launch(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for(check, what: str, proc: subprocess.Popen, timeout: float = 900.0):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert proc.poll() is None, f"the launch ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout} s"
+        time.sleep(0.3)
+    return found
+
+
+def saved_step(out: Path) -> int:
+    tracker = out / "checkpoints" / lost_node.TRACKER
+    return int(tracker.read_text()) if tracker.is_file() else 0
+
+
+def ranks_and_env(state, out: Path) -> dict[str, dict[str, str]]:
+    """{node id: environment} of each live actor rank (verl's WorkerDict), found in Ray's
+    actor table and read from its process."""
+    actors = [a for a in state.actor_table(None).values()
+              if a["State"] == "ALIVE" and "WorkerDict" in a["ActorClassName"]]  # fmt: skip
+    if len(actors) < 2:
+        return {}
+    env = {}
+    for actor in actors:
+        raw = Path(f"/proc/{actor['Pid']}/environ").read_bytes().split(b"\0")
+        env[actor["Address"]["NodeID"]] = dict(v.decode().split("=", 1) for v in raw if b"=" in v)
+    return env
+
+
+def dist_tensors(actor: Path) -> dict[str, torch.Tensor]:
+    from converters.dist_read import DistReader
+
+    reader = DistReader(actor / "model" / "dist_ckpt")
+    shapes = {k: reader.global_shape(k) for k in reader.tensors}
+    return {k: reader.region(k, (0,) * len(shape), shape) for k, shape in shapes.items()}
+
+
+def test_two_raylets_on_one_box_and_what_check_ray_refuses(box, tmp_path, capsys, monkeypatch):
+    state = ray_state(box.address)
+    nodes = alive_nodes(state)
+    assert len(nodes) == 2 and {row["Resources"]["GPU"] for row in nodes.values()} == {1.0}
+    temp_dirs = {lost_node.Node.from_table(row).temp_dir for row in nodes.values()}
+    assert temp_dirs == {str(box.root / "head"), str(box.root / "worker")}
+    assert f"ray_start_worker.sh --device cpu --address {box.address}" in box.printed["head"]
+    assert f"ray_start_worker.sh --stop --temp-dir {box.root / 'worker'}" in box.printed["worker"]
+    env = cluster.job_env("cpu", None)
+    cluster.check_ray("cpu", 2, box.address, env)  # real `ray status`: 2 GPUs
+    status = subprocess.run([cluster.ray_executable(), "status", "--address", box.address],
+                            capture_output=True, text=True, env={**os.environ, **env})  # fmt: skip
+    assert cluster.ray_devices(status.stdout) == {"GPU": 2, "NPU": 0}
+    fails = [
+        (["--nodes", "4", "--devices-per-node", "1", "--ep", "2"], box.address,
+         f"Ray cluster at {box.address} offers 2 GPU, the plan needs 4"),
+        (PLAN, f"127.0.0.1:{free_port()}", "no running Ray cluster at 127.0.0.1:"),
+    ]  # fmt: skip
+    monkeypatch.setenv("RAY_py_gcs_connect_timeout_s", "5")  # Ray's wait for a GCS (30 s)
+    for plan, address, needle in fails:
+        code = launch.main(["--device", "cpu", "--ray-address", address, *plan,
+                            "--ckpt-dir", str(tmp_path / "refused")])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+
+
+def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, tmp_path):
+    out, t0 = tmp_path / "run", time.monotonic()
+    state = ray_state(box.address)
+    head_id = _head_id(state)
+    (worker_id,) = set(alive_nodes(state)) - {head_id}
+    # a wider update (4 epochs over the batch) to kill it in: verl's update takes ~1 s here
+    widen = ("actor_rollout_ref.actor.ppo_epochs=4",) if KILL_PHASE == "update" else ()
+    proc = start_launch(out, box, "--steps", "3", overrides=widen)
+    try:
+        env = wait_for(lambda: ranks_and_env(state, out), "two live actor ranks", proc)
+        # the EP group (ranks 0 and 1) spans both nodes; the launch's own job env reached them
+        assert set(env) == {head_id, worker_id}
+        assert sorted(e["RANK"] for e in env.values()) == ["0", "1"]
+        for rank_env in env.values():
+            assert rank_env["VERL_FILE_LOGGER_PATH"] == str(out / "metrics/launch_000.jsonl")
+            assert rank_env["VERL_PLATFORM"] == "cpu" and str(REPO) in rank_env["PYTHONPATH"]
+        phase = "update_actor" if KILL_PHASE == "update" else "generate"
+        wait_for(lambda: saved_step(out) == 1 and any(phase in t for t in running_tasks(
+            box.address)), f"step 2's {phase} running after step 1's save", proc)  # fmt: skip
+        killed = box.lose("worker")
+        proc.wait(timeout=BOUND_S + 60)
+        kill_to_exit = time.monotonic() - killed
+    finally:
+        stop_launch(proc)
+    err = out.with_suffix(".err").read_text()
+    print(f"\nlost node during {KILL_PHASE}: kill to exit {kill_to_exit:.1f} s "
+          f"(launch to exit {time.monotonic() - t0:.0f} s)")  # fmt: skip
+    assert proc.returncode != 0 and kill_to_exit < BOUND_S, (proc.returncode, kill_to_exit)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [err.splitlines()[-1]], err[-3000:]
+    assert errors[0].startswith(f"error: lost Ray node {worker_id[:12]} (")
+    assert f"temp dir {box.root / 'worker'}" in errors[0]
+    assert f"last complete checkpoint: {out}/checkpoints/global_step_1:" in errors[0]
+    assert errors[0].endswith("then relaunch with --resume")
+    assert saved_step(out) == 1
+    t1 = time.monotonic()
+    _restart_worker_with_the_wrong_device_first(box, out)
+    t2 = time.monotonic()
+    _resume(box, out, tmp_path)
+    print(
+        f"wrong node, refusal, right node: {t2 - t1:.0f} s; resume launch {time.monotonic() - t2:.0f} s"
+    )
+
+
+def _head_id(state) -> str:
+    return next(
+        row["NodeID"] for row in alive_nodes(state).values()
+        if "node:__internal_head__" in row["Resources"]
+    )  # fmt: skip
+
+
+def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
+    """A node restarted as an NPU node: check_ray names it in one line, nothing starts; its
+    --stop ends its processes only (the head stays); then the right one."""
+    box.start("worker", "--devices", "1", device="npu")
+    wrong = box.pid("worker")
+    refused = subprocess.run(
+        [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
+         box.address, *PLAN, "--ckpt-dir", str(out), "--resume"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "offers 1 GPU and 1 NPU, the cpu plan needs 2 GPU" in refused.stderr
+    assert "scripts/ray_start_worker.sh --device cpu" in refused.stderr
+    assert "stopped the Ray worker" in box.stop("worker")
+    assert ray_node.session_processes(wrong) == []
+    assert ray_node.read_state(box.root / "head" / "mcore_ray_head.json")  # still up
+    box.start("worker")
+
+
+def _resume(box: Box, out: Path, tmp_path: Path) -> None:
+    """--resume on the restarted node: step 2 runs from global_step_1's weights (no actor
+    update in it: trainer.critic_warmup=3, so its save holds exactly the loaded weights),
+    step 3 trains; then the run's finish as in the embedded run."""
+    proc = start_launch(out, box, "--resume", "--steps", "3",
+                        overrides=("trainer.critic_warmup=3",))  # fmt: skip
+    try:
+        proc.wait(timeout=1200)
+    finally:
+        stop_launch(proc)
+    log = out.with_suffix(".out").read_text() + out.with_suffix(".err").read_text()
+    assert proc.returncode == 0, log[-5000:]
+    assert "Resuming from" in log
+    from recipes.local.run import read_history
+
+    rows = {row["step"]: row for row in read_history(out / "metrics")}
+    assert sorted(rows) == [1, 2, 3]
+    for step in (2, 3):  # the rollout got the loaded, then the updated weights through sync
+        assert rows[step]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, step
+    ckpt = out / "checkpoints"
+    loaded, step2, step3 = (dist_tensors(ckpt / f"global_step_{n}/actor") for n in (1, 2, 3))
+    assert loaded.keys() == step2.keys() == step3.keys()
+    assert all(torch.equal(loaded[k], step2[k]) for k in loaded)  # bit for bit
+    assert not all(torch.equal(step2[k], step3[k]) for k in step2)  # step 3 trained
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_max_logits_diff"] < 1e-4
+    assert (out / "export_hf" / "config.json").is_file() and (out / "reward_curve.png").is_file()
+    assert json.loads((ckpt / "global_step_3/actor/meta.json").read_text())["plan"]["ep"] == 2
