@@ -120,11 +120,16 @@ def running_tasks(address: str) -> list[str]:
     return [t.name for t in tasks]
 
 
-def start_launch(out: Path, box: Box, *flags: str, overrides=()) -> subprocess.Popen:
+def start_launch(out: Path, box: Box, name: str, *flags: str, overrides=()) -> subprocess.Popen:
+    """The launcher on the box's cluster, its output in <out>.<name>.out / .err."""
     cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
            box.address, *PLAN, "--ckpt-dir", str(out), *flags, "--", *QUIET, *overrides]  # fmt: skip
-    with open(out.with_suffix(".out"), "w") as stdout, open(out.with_suffix(".err"), "w") as err:
+    with open(logs(out, name)[0], "w") as stdout, open(logs(out, name)[1], "w") as err:
         return subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=err, start_new_session=True)
+
+
+def logs(out: Path, name: str) -> tuple[Path, Path]:
+    return out.with_suffix(f".{name}.out"), out.with_suffix(f".{name}.err")
 
 
 def stop_launch(proc: subprocess.Popen) -> None:
@@ -203,7 +208,7 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, t
     (worker_id,) = set(alive_nodes(state)) - {head_id}
     # a wider update (4 epochs over the batch) to kill it in: verl's update takes ~1 s here
     widen = ("actor_rollout_ref.actor.ppo_epochs=4",) if KILL_PHASE == "update" else ()
-    proc = start_launch(out, box, "--steps", "3", overrides=widen)
+    proc = start_launch(out, box, "killed", "--steps", "3", overrides=widen)
     try:
         env = wait_for(lambda: ranks_and_env(state, out), "two live actor ranks", proc)
         # the EP group (ranks 0 and 1) spans both nodes; the launch's own job env reached them
@@ -215,14 +220,16 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, t
         phase = "update_actor" if KILL_PHASE == "update" else "generate"
         wait_for(lambda: saved_step(out) == 1 and any(phase in t for t in running_tasks(
             box.address)), f"step 2's {phase} running after step 1's save", proc)  # fmt: skip
+        runner = _task_runner_node(state)
         killed = box.lose("worker")
         proc.wait(timeout=BOUND_S + 60)
         kill_to_exit = time.monotonic() - killed
     finally:
         stop_launch(proc)
-    err = out.with_suffix(".err").read_text()
-    print(f"\nlost node during {KILL_PHASE}: kill to exit {kill_to_exit:.1f} s "
-          f"(launch to exit {time.monotonic() - t0:.0f} s)")  # fmt: skip
+    err = logs(out, "killed")[1].read_text()
+    where = "the lost node" if runner == worker_id else "the head"
+    print(f"\nlost node during {KILL_PHASE} (verl's TaskRunner on {where}): kill to exit "
+          f"{kill_to_exit:.1f} s (launch to exit {time.monotonic() - t0:.0f} s)")  # fmt: skip
     assert proc.returncode != 0 and kill_to_exit < BOUND_S, (proc.returncode, kill_to_exit)
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == [err.splitlines()[-1]], err[-3000:]
@@ -238,6 +245,12 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, t
     print(
         f"wrong node, refusal, right node: {t2 - t1:.0f} s; resume launch {time.monotonic() - t2:.0f} s"
     )
+
+
+def _task_runner_node(state) -> str:
+    """The node of verl's driver-side actor (TaskRunner): anywhere Ray found a CPU for it."""
+    return next(a["Address"]["NodeID"] for a in state.actor_table(None).values()
+                if a["State"] == "ALIVE" and "TaskRunner" in a["ActorClassName"])  # fmt: skip
 
 
 def _head_id(state) -> str:
@@ -270,13 +283,13 @@ def _resume(box: Box, out: Path, tmp_path: Path) -> None:
     """--resume on the restarted node: step 2 runs from global_step_1's weights (no actor
     update in it: trainer.critic_warmup=3, so its save holds exactly the loaded weights),
     step 3 trains; then the run's finish as in the embedded run."""
-    proc = start_launch(out, box, "--resume", "--steps", "3",
+    proc = start_launch(out, box, "resumed", "--resume", "--steps", "3",
                         overrides=("trainer.critic_warmup=3",))  # fmt: skip
     try:
         proc.wait(timeout=1200)
     finally:
         stop_launch(proc)
-    log = out.with_suffix(".out").read_text() + out.with_suffix(".err").read_text()
+    log = "".join(path.read_text() for path in logs(out, "resumed"))
     assert proc.returncode == 0, log[-5000:]
     assert "Resuming from" in log
     from recipes.local.run import read_history

@@ -24,7 +24,14 @@ from pathlib import Path
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from recipes.dapo import cluster
 
-START_TIMEOUT_S = 240  # Ray itself gives a raylet 30 s to register, its head more
+START_TIMEOUT_S = 240
+# Ray gives a new node a fixed 30 s to register with the GCS (ray/_private/node.py), which a
+# loaded machine can miss; then this script starts it again, START_TRIES times in all
+REGISTER_TIMEOUT, START_TRIES = "The current node timed out during startup", 3
+# the raylet dies when its agents (Python processes) have not registered within Ray's
+# default wait (~15 s seen), which a loaded machine misses; a longer one only delays the
+# failure of a broken Ray
+RAY_START = {"RAY_agent_register_timeout_ms": "120000"}
 STOP_GRACE_S = 45  # Ray drains a node for up to 30 s on SIGTERM
 # --device cpu: what the CPU platform declares per node (recipes/local/platform.py): one "GPU"
 # per rank, never used, and CPUs for TransferQueue's storage units, agent-loop and reward
@@ -91,15 +98,20 @@ def ray_command(args) -> list[str]:
     if one_box:  # random worker ports, a free agent port: no clash with the other raylets here
         cmd += ["--min-worker-port", "0", "--max-worker-port", "0"]
         cmd += ["--dashboard-agent-listen-port", str(free_port()), *CPU_NODE]
-    devices = args.devices or (1 if one_box else 8)
     if args.device == "npu":  # Ray's resource name for Ascend NPUs
-        return cmd + ["--resources", json.dumps({"NPU": devices})]
-    return cmd + ["--num-gpus", str(devices)]
+        return cmd + ["--resources", json.dumps({"NPU": declared(args)})]
+    return cmd + ["--num-gpus", str(declared(args))]
+
+
+def declared(args) -> int:
+    """The devices this node offers Ray (the CPU platform's: one per rank, never used)."""
+    return args.devices or (1 if args.device == "cpu" else 8)
 
 
 def node_env(args) -> dict[str, str]:
-    """The job's environment plus Ray's node-death detection, pinned (cluster.RAY_HEALTH)."""
-    return {**cluster.job_env(args.device, args.ifname), **cluster.RAY_HEALTH}
+    """The job's environment, Ray's node-death detection pinned (cluster.RAY_HEALTH), and
+    the agents' start-up wait (RAY_START)."""
+    return {**cluster.job_env(args.device, args.ifname), **cluster.RAY_HEALTH, **RAY_START}
 
 
 def read_state(path: Path) -> dict | None:
@@ -129,43 +141,56 @@ def start(args) -> int:
     if args.role == "head":
         cluster.ensure_auth_token(env)
     root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, START_TRIES + 1):
+        state = launch_node(args, cmd, env, root)
+        if state["address"] or attempt == START_TRIES:
+            break
+        print(f"Ray's node did not register in its 30 s (attempt {attempt}): starting it again")
+    if not state["address"]:
+        raise cluster.LaunchError(state["problem"])
+    print(next_steps(args, state, root))
+    return 0
+
+
+def launch_node(args, cmd: list[str], env: dict[str, str], root: Path) -> dict:
+    """`ray start --block` in a session of its own, until the node is up (state["address"])
+    or has failed (state["problem"]; its session stopped)."""
     address_file = root / "ray_current_cluster"  # written by `ray start` once the node is up
     address_file.unlink(missing_ok=True)
     log = root / f"ray_start_{args.role}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    address = wait_until_up(proc, address_file, log)
-    state = {"pid": proc.pid, "role": args.role, "address": address, "device": args.device}
-    state_file(args).write_text(json.dumps(state))
-    print(next_steps(args, state, root, log))
-    return 0
-
-
-def wait_until_up(proc: subprocess.Popen, address_file: Path, log: Path) -> str:
+    state = {"pid": proc.pid, "role": args.role, "device": args.device, "address": None,
+             "log": str(log)}  # fmt: skip
+    state_file(args).write_text(json.dumps(state))  # from now on --stop finds it
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not address_file.is_file():
-        if proc.poll() is not None:
-            tail = [line for line in log.read_text().splitlines() if line.strip()][-1:]
-            raise cluster.LaunchError(
-                f"`ray start` exited with status {proc.returncode} ({' '.join(tail)[-300:]}): "
-                f"see {log}"
-            )
-        if time.monotonic() > deadline:
-            stop_session(proc.pid)
-            raise cluster.LaunchError(f"Ray did not come up in {START_TIMEOUT_S} s: see {log}")
+    while not address_file.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    return address_file.read_text().strip()
+    if address_file.is_file():
+        state["address"] = address_file.read_text().strip()
+        state_file(args).write_text(json.dumps(state))
+        return state
+    stop_session(proc.pid)
+    text = log.read_text()
+    tail = " ".join([line for line in text.splitlines() if line.strip()][-1:])[-300:]
+    state["problem"] = (
+        f"`ray start` exited with status {proc.returncode} ({tail}): see {log}"
+        if proc.returncode is not None
+        else f"Ray did not come up in {START_TIMEOUT_S} s: see {log}"
+    )
+    if REGISTER_TIMEOUT not in text:  # only Ray's own 30 s limit is worth another try
+        raise cluster.LaunchError(state["problem"])
+    return state
 
 
-def next_steps(args, state: dict, root: Path, log: Path) -> str:
-    devices = ray_command(args)[-1]
-    kind = "NPU" if args.device == "npu" else "GPU"
+def next_steps(args, state: dict, root: Path) -> str:
+    devices, kind = declared(args), cluster.RAY_KIND[args.device]
     script = f"bash scripts/ray_start_{args.role}.sh"
     lines = [
         f"Ray {args.role} up: cluster {state['address']}, {devices} {kind} declared, temp dir "
-        f"{root}, pid {state['pid']} (log {log})",
-        f"check: {cluster.ray_executable()} status --address {state['address']}",
+        f"{root}, pid {state['pid']} (log {state['log']})",
+        f"check: {_auth_prefix()}{cluster.ray_executable()} status --address {state['address']}",
     ]
     if args.role == "head":
         box = " --temp-dir <another dir>" if args.device == "cpu" else ""
@@ -181,6 +206,12 @@ def next_steps(args, state: dict, root: Path, log: Path) -> str:
     return "\n".join(lines)
 
 
+def _auth_prefix() -> str:
+    """What a shell needs to talk to this node's Ray (cluster.ray_auth_mode)."""
+    mode = cluster.ray_auth_mode()
+    return "" if os.environ.get("RAY_AUTH_MODE") == mode else f"RAY_AUTH_MODE={mode} "
+
+
 def stop(args) -> int:
     path = state_file(args)
     state = read_state(path)
@@ -192,9 +223,8 @@ def stop(args) -> int:
         return 0
     stop_session(state["pid"])
     path.unlink(missing_ok=True)
-    print(
-        f"stopped the Ray {args.role} of {state['address']} (pid {state['pid']} and its processes)"
-    )
+    of = state["address"] or "a cluster it had not joined yet"
+    print(f"stopped the Ray {args.role} of {of} (pid {state['pid']} and its processes)")
     return 0
 
 
