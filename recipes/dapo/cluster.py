@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes),
-# the task-queue optimisation, vLLM's V1 engine (vllm-ascend)
+# Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes;
+# a lost node is not left to them: recipes/dapo/lost_node.py), the task-queue optimisation,
+# vLLM's V1 engine (vllm-ascend)
 A2_ENV = {
     "HCCL_CONNECT_TIMEOUT": "1800",
     "HCCL_EXEC_TIMEOUT": "3600",
@@ -43,9 +44,10 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     """Environment of every process of the job (also passed to Ray workers).
 
     PYTHONPATH keeps what is set (CANN's set_env.sh puts its Python packages there) and adds the
-    repository. No VERL_USE_EXTERNAL_MODULES: it would import the engine (megatron-core and, on
-    Ascend, MindSpeed's global patches) in every reward, agent-loop and vLLM process;
-    `actor_rollout_ref.model.external_lib` loads it in the workers that build the actor.
+    repository. No VERL_USE_EXTERNAL_MODULES on accelerators: it would import the engine
+    (megatron-core and, on Ascend, MindSpeed's global patches) in every reward, agent-loop and
+    vLLM process; `actor_rollout_ref.model.external_lib` loads it in the workers that build the
+    actor. On cpu it names the CPU platform and rollout, which every process must register.
     """
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO) not in pythonpath:

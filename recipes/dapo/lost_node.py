@@ -36,10 +36,10 @@ class Node:
         """A row of Ray's node table (ray._private.state.GlobalState.node_table)."""
         held = row.get("Resources", {})
         devices = ", ".join(f"{int(held[k])} {k}" for k in ("GPU", "NPU") if held.get(k))
-        temp_dir = Path(row.get("RayletSocketName", "")).parents[2]  # <temp>/session_*/sockets/
+        socket = Path(row.get("RayletSocketName") or "?/?/?/?")  # <temp>/session_*/sockets/raylet
         head = "node:__internal_head__" in held
-        devices = devices or "no devices"
-        return cls(row["NodeID"], row["NodeManagerAddress"], devices, str(temp_dir), head)
+        return cls(row["NodeID"], row["NodeManagerAddress"], devices or "no devices",
+                   str(socket.parents[2]), head)  # fmt: skip
 
     def describe(self) -> str:
         role = "head, " if self.head else ""
