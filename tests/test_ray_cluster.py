@@ -1,12 +1,13 @@
-"""The cluster path on one box: a real two-node Ray cluster from scripts/ray_start_*.sh
-(--device cpu: a head and a second raylet, each with its own port, temp dir and one declared
-"GPU"), the launcher's cluster mode on it (`--ray-address`, the tiny DAPO job at tp1/ep2, one
-rank per node), a node lost during an update step and the resume from the last checkpoint.
+"""The cluster path on one box: a real two-node Ray cluster from what scripts/ray_start_*.sh
+run (--device cpu: a head and a second raylet, each with its own port, temp dir and one
+declared "GPU"), the launcher's cluster mode on it (`--ray-address`, the tiny DAPO job at
+tp1/ep2, one rank per node), a node lost during an update step and the resume from the last
+checkpoint.
 
-Every process started here is stopped here by its pid: the nodes through their scripts'
---stop and then by their session (recipes.dapo.ray_node), the launches by their session.
-The lost node is SIGKILLed with its whole session (raylet, its workers and agents) at once.
-A kill during the rollout instead: MCORE_KILL_PHASE=rollout (by hand; CI kills the update).
+Every process started here is stopped here by its pid: the nodes by their --stop and then by
+their session (recipes.dapo.ray_node), the launches by their session. The lost node is
+SIGKILLed with its whole session (raylet, its workers and agents) at once. A kill during the
+rollout instead: MCORE_KILL_PHASE=rollout (by hand; CI kills the update).
 """
 
 import json
@@ -33,6 +34,10 @@ KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
 # apart, cluster.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
 # loaded 2-core machine
 BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
+# what scripts/ray_start_{head,worker}.sh run after their bootstrap call (run directly here:
+# on a machine whose venv other checkouts share, a bootstrap of this checkout's older set
+# would reinstall it under them)
+NODE = [sys.executable, "-m", "recipes.dapo.ray_node"]
 PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
 QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 
@@ -52,8 +57,8 @@ class Box:
         args = ["--device", device, "--temp-dir", str(self.root / role), *flags]
         if role == "worker":
             args += ["--address", self.address]
-        out = subprocess.run(["bash", str(REPO / f"scripts/ray_start_{role}.sh"), *args],
-                             capture_output=True, text=True, timeout=400)  # fmt: skip
+        out = subprocess.run([*NODE, role, *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=900)  # fmt: skip
         state = self.root / role / f"mcore_ray_{role}.json"
         if state.is_file():
             self.pids.append(json.loads(state.read_text())["pid"])
@@ -64,9 +69,8 @@ class Box:
         return json.loads((self.root / role / f"mcore_ray_{role}.json").read_text())["pid"]
 
     def stop(self, role: str) -> str:
-        script = str(REPO / f"scripts/ray_start_{role}.sh")
-        out = subprocess.run(["bash", script, "--stop", "--temp-dir", str(self.root / role)],
-                             capture_output=True, text=True, timeout=200)  # fmt: skip
+        out = subprocess.run([*NODE, role, "--stop", "--temp-dir", str(self.root / role)],
+                             cwd=REPO, capture_output=True, text=True, timeout=200)  # fmt: skip
         return out.stdout + out.stderr
 
     def lose(self, role: str) -> float:
