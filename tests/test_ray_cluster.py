@@ -47,10 +47,10 @@ def free_port() -> int:
 
 
 class Box:
-    """The head and worker raylets of one machine, started by the scripts; every pid kept."""
+    """The head and worker raylets of one machine, as the scripts start them; every start kept."""
 
     def __init__(self, root: Path):
-        self.root, self.pids, self.address = root, [], None
+        self.root, self.started, self.address = root, [], None
         self.printed: dict[str, str] = {}  # what each script printed when it started
 
     def start(self, role: str, *flags: str, device: str = "cpu") -> str:
@@ -61,7 +61,7 @@ class Box:
                              timeout=900)  # fmt: skip
         state = self.root / role / f"mcore_ray_{role}.json"
         if state.is_file():
-            self.pids.append(json.loads(state.read_text())["pid"])
+            self.started.append(json.loads(state.read_text()))
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
@@ -98,8 +98,9 @@ def box():
     finally:
         for role in ("worker", "head"):
             cluster_box.stop(role)
-        for pid in cluster_box.pids:  # whatever the scripts left
-            ray_node.stop_session(pid, signal.SIGKILL, grace_s=5)
+        for state in cluster_box.started:  # whatever --stop left, by pid, if still ours
+            if ray_node.ours(state) != "other":
+                ray_node.stop_session(state["pid"], signal.SIGKILL, grace_s=5)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -118,10 +118,21 @@ def read_state(path: Path) -> dict | None:
     """The node this script started with that temp dir, if its process is still there."""
     try:
         state = json.loads(path.read_text())
-        os.kill(state["pid"], 0)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         return None
-    return state
+    return state if ours(state) == "running" else None
+
+
+def ours(state: dict) -> str:
+    """What state's pid is now: "running" (the `ray start` this script started), "gone" (no
+    process: what is left of its session is ours) or "other" (another process has the pid)."""
+    import psutil
+
+    try:
+        created = psutil.Process(state["pid"]).create_time()
+    except psutil.NoSuchProcess:
+        return "gone"
+    return "running" if created == state.get("created") else "other"
 
 
 def start(args) -> int:
@@ -161,8 +172,8 @@ def launch_node(args, cmd: list[str], env: dict[str, str], root: Path) -> dict:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    state = {"pid": proc.pid, "role": args.role, "device": args.device, "address": None,
-             "log": str(log)}  # fmt: skip
+    state = {"pid": proc.pid, "created": _created(proc.pid), "role": args.role,
+             "device": args.device, "address": None, "log": str(log)}  # fmt: skip
     state_file(args).write_text(json.dumps(state))  # from now on --stop finds it
     deadline = time.monotonic() + START_TIMEOUT_S
     while not address_file.is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -182,6 +193,15 @@ def launch_node(args, cmd: list[str], env: dict[str, str], root: Path) -> dict:
     if REGISTER_TIMEOUT not in text:  # only Ray's own 30 s limit is worth another try
         raise cluster.LaunchError(state["problem"])
     return state
+
+
+def _created(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:  # `ray start` failed at once
+        return None
 
 
 def next_steps(args, state: dict, root: Path) -> str:
