@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipes.dapo.resume import TRACKER  # verl's, written after each complete save
+
 POLL_S, GRACE_S, TERM_S = 2.0, 30.0, 30.0
 LATE_S = 20.0  # Ray's verdict on a node whose processes died: 5 missed checks, 3 s apart
-TRACKER = "latest_checkpointed_iteration.txt"  # verl's, written after each complete save
 
 
 @dataclass(frozen=True)
