@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from recipes.dapo import cluster, launch, lost_node, ray_node
+from recipes.local.overrides import TOY
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
 REPO = Path(__file__).resolve().parents[1]
@@ -110,11 +111,18 @@ def state(box):
     mode; disconnected before the nodes stop."""
     from ray._raylet import Config
 
+    before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = cluster.ray_auth_mode()
     Config.initialize("")  # as Ray does when it turns token mode on in a running process
     tables = lost_node.gcs_state(box.address)
-    yield tables
-    tables.disconnect()
+    try:
+        yield tables
+    finally:
+        tables.disconnect()
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE")
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
 
 
 def alive_nodes(state) -> dict[str, dict]:
@@ -209,6 +217,7 @@ def test_two_raylets_on_one_box_and_what_check_ray_refuses(
 
 def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, state, tmp_path):
     out, t0 = tmp_path / "run", time.monotonic()
+    train_rows = tagged_data(out / "data")  # what the launcher takes as the toy task's data
     head_id = _head_id(state)
     (worker_id,) = set(alive_nodes(state)) - {head_id}
     # a wider update (4 epochs over the batch) to kill it in: verl's update takes ~1 s here
@@ -246,7 +255,7 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, s
     t1 = time.monotonic()
     _restart_worker_with_the_wrong_device_first(box, out)
     t2 = time.monotonic()
-    _resume(box, out)
+    _resume(box, out, train_rows)
     resumed_s = time.monotonic() - t2
     print(f"wrong node, refusal, right node: {t2 - t1:.0f} s; resume launch {resumed_s:.0f} s")
 
@@ -284,31 +293,95 @@ def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
     box.start("worker")
 
 
-def _resume(box: Box, out: Path) -> None:
-    """--resume on the restarted node: step 2 runs from global_step_1's weights (no actor
-    update in it: trainer.critic_warmup=3, so its save holds exactly the loaded weights),
-    step 3 trains; then the run's finish as in the embedded run."""
+def _resume(box: Box, out: Path, train_rows: int) -> None:
+    """--resume on the restarted node, checked from inside the resumed run: the engine's load
+    line names global_step_1's step and update and its weights' norm (rank 0's shards, read
+    from the files by the converters); step 2 draws the dataloader's next prompts after the
+    killed run's position and runs from exactly the loaded weights (no actor update in it:
+    trainer.critic_warmup=3, so its save holds them), step 3 trains; then the run's finish as
+    in the embedded run. Catches a no-op load (the HF weights' norm, update 0) and a
+    dataloader not restored (step 2 draws the epoch's first prompts again)."""
+    from recipes.local.run import read_history
+    from tests.test_verl_engine import loaded_line  # the engine's line on a checkpoint load
+
+    dump = out / "rollouts"
     proc = start_launch(out, box, "resumed", "--resume", "--steps", "3",
-                        overrides=("trainer.critic_warmup=3",))  # fmt: skip
+                        overrides=("trainer.critic_warmup=3", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
     try:
         proc.wait(timeout=1200)
     finally:
         stop_launch(proc)
-    log = "".join(path.read_text() for path in logs(out, "resumed"))
+    log = (out / "logs" / "launch_001.log").read_text()  # the console's log of the relaunch
     assert proc.returncode == 0, log[-5000:]
     assert "Resuming from" in log
-    from recipes.local.run import read_history
-
-    rows = {row["step"]: row for row in read_history(out / "metrics")}
-    assert sorted(rows) == [1, 2, 3]
-    for step in (2, 3):  # the rollout got the loaded, then the updated weights through sync
-        assert rows[step]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, step
     ckpt = out / "checkpoints"
     loaded, step2, step3 = (dist_tensors(ckpt / f"global_step_{n}/actor") for n in (1, 2, 3))
+    step, update, norm = loaded_line(log, ckpt / "global_step_1/actor")
+    schedule = json.loads((ckpt / "global_step_1/actor/optim/dist_ckpt/schedule.json").read_text())
+    assert (step, update) == (1, schedule["updates"]) and update > 0
+    assert norm == pytest.approx(rank0_norm(loaded), rel=1e-9)
+    drawn, order = sampler_state(ckpt / "global_step_1/data.pt", train_rows)
+    drawn_after, _ = sampler_state(ckpt / "global_step_2/data.pt", train_rows)
+    positions = sorted(order.index(row) for row in trained_rows(dump / "2.jsonl"))
+    batch = TOY["train_batch_size"]
+    assert len(positions) == batch and drawn <= positions[0] and positions[-1] < drawn_after, (
+        f"step 2 trained the prompts at positions {positions}; the killed run had drawn "
+        f"{drawn}, the resumed one {drawn_after}"
+    )
+    rows = {row["step"]: row for row in read_history(out / "metrics")}
+    assert sorted(rows) == [1, 2, 3] and rows[3]["training/global_step"] == 3
+    for n in (2, 3):  # the rollout got the loaded, then the updated weights through sync
+        assert rows[n]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, n
     assert loaded.keys() == step2.keys() == step3.keys()
     assert all(torch.equal(loaded[k], step2[k]) for k in loaded)  # bit for bit
     assert not all(torch.equal(step2[k], step3[k]) for k in step2)  # step 3 trained
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_max_logits_diff"] < 1e-4
     assert (out / "export_hf" / "config.json").is_file() and (out / "reward_curve.png").is_file()
-    assert json.loads((ckpt / "global_step_3/actor/meta.json").read_text())["plan"]["ep"] == 2
+    meta = json.loads((ckpt / "global_step_3/actor/meta.json").read_text())
+    assert meta["global_step"] == 3 and meta["plan"]["ep"] == 2
+
+
+def tagged_data(data_dir: Path) -> int:
+    """The toy task's parquet files (recipes.local.task), each train prompt prefixed by its
+    row ("17*3+3="): the rows a step trained on can be read from verl's rollout dump. The
+    train row count."""
+    import pandas as pd
+
+    from recipes.local.task import write_data
+
+    train_file = write_data(data_dir)["train"]
+    train = pd.read_parquet(train_file)
+    train["prompt"] = [
+        [{**turn, "content": f"{row}*{turn['content']}"} for turn in prompt]
+        for row, prompt in enumerate(train["prompt"])
+    ]
+    train.to_parquet(train_file)
+    return len(train)
+
+
+def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
+    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
+    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
+    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
+    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
+    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
+
+
+def trained_rows(dump: Path) -> set[int]:
+    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
+
+
+def rank0_norm(tensors: dict[str, torch.Tensor]) -> float:
+    """L2 norm (float64) of what rank 0 of the tp1/ep2 plan holds of these global tensors: all
+    but the experts, which megatron-core gives EP rank r as a contiguous block ([L, E, ...])."""
+    from parallel.models import TINY_QWEN3_MOE
+
+    local = TINY_QWEN3_MOE["num_experts"] // 2
+    total = 0.0
+    for key, tensor in tensors.items():
+        part = tensor[:, :local] if ".mlp.experts." in key else tensor
+        total += float(part.double().square().sum())
+    return total**0.5
