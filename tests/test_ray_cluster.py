@@ -26,10 +26,10 @@ import torch
 
 from recipes.dapo import cluster, launch, lost_node, ray_node
 from recipes.local.overrides import TOY
+from tests.test_verl_cpu_trainer import FP32_ROLLOUT, SYNC_TOLERANCE  # as the other launches
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
 REPO = Path(__file__).resolve().parents[1]
-SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
 KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
 # from the kill to the launcher's exit, at most: Ray's verdict (5 missed health checks 3 s
 # apart, cluster.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
@@ -40,7 +40,8 @@ BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
 # would reinstall it under them)
 NODE = [sys.executable, "-m", "recipes.dapo.ray_node"]
 PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
-QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+         FP32_ROLLOUT]  # fmt: skip
 
 
 def free_port() -> int:
