@@ -235,7 +235,7 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, s
         phase = "update_actor" if KILL_PHASE == "update" else "generate"
         wait_for(lambda: saved_step(out) == 1 and any(phase in t for t in running_tasks(
             box.address)), f"step 2's {phase} running after step 1's save", proc)  # fmt: skip
-        runner = _task_runner_node(state)
+        runner, servers = _task_runner_node(state), _nodes_of(state, "vLLMHttpServer")
         killed = box.lose("worker")
         proc.wait(timeout=BOUND_S + 60)
         kill_to_exit = time.monotonic() - killed
@@ -246,6 +246,7 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, s
     print(f"\nlost node during {KILL_PHASE} (verl's TaskRunner on {where}): kill to exit "
           f"{kill_to_exit:.1f} s (launch to exit {time.monotonic() - t0:.0f} s)")  # fmt: skip
     assert proc.returncode != 0 and kill_to_exit < BOUND_S, (proc.returncode, kill_to_exit)
+    assert servers == {head_id, worker_id}  # one vLLM engine per actor rank, on its node
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == [err.splitlines()[-1]], err[-3000:]
     assert errors[0].startswith(f"error: lost Ray node {worker_id[:12]} (")
@@ -263,8 +264,14 @@ def test_lost_node_stops_the_run_and_resume_continues_from_its_checkpoint(box, s
 
 def _task_runner_node(state) -> str:
     """The node of verl's driver-side actor (TaskRunner): anywhere Ray found a CPU for it."""
-    return next(a["Address"]["NodeID"] for a in state.actor_table(None).values()
-                if a["State"] == "ALIVE" and "TaskRunner" in a["ActorClassName"])  # fmt: skip
+    (node,) = _nodes_of(state, "TaskRunner")
+    return node
+
+
+def _nodes_of(state, actor_class: str) -> set[str]:
+    """The nodes of the live Ray actors whose class name holds `actor_class`."""
+    return {a["Address"]["NodeID"] for a in state.actor_table(None).values()
+            if a["State"] == "ALIVE" and actor_class in a["ActorClassName"]}  # fmt: skip
 
 
 def _head_id(state) -> str:
