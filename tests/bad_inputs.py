@@ -12,6 +12,7 @@ dist checkpoint, made by hf-to-mcore) and {pid} (this process).
 import functools
 import importlib.util
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Case:
-    cli: str  # converters | parallel | launcher | monitor | resolve
+    cli: str  # converters | parallel | launcher | ray_node | monitor | resolve
     what: str
     setup: Callable  # ctx -> argv
     code: int
@@ -838,7 +839,46 @@ RESOLVE = [
     ),
 ]
 
-CASES = CONVERTERS + PLANNER + MONITOR + RESOLVE
+
+def _node_running(ctx: Ctx) -> list:
+    """A head this script started with {tmp}/h is still running (its state file names this
+    process, with its start time)."""
+    import psutil
+
+    root = ctx.tmp / "h"
+    root.mkdir()
+    state = {"pid": os.getpid(), "created": psutil.Process().create_time(), "role": "head",
+             "device": "cpu", "address": "127.0.0.1:6380", "log": str(root / "log")}  # fmt: skip
+    (root / "mcore_ray_head.json").write_text(json.dumps(state))
+    return ["head", "--device", "cpu", "--temp-dir", root]
+
+
+RAY_NODE = [
+    Case(
+        "ray_node",
+        "no --device",
+        lambda c: ["head", "--temp-dir", c.tmp / "h"],
+        2,
+        "error: pass --device npu, cuda or cpu (or --stop)",
+    ),
+    Case(
+        "ray_node",
+        "a worker without --address",
+        lambda c: ["worker", "--device", "cpu", "--temp-dir", c.tmp / "w"],
+        2,
+        "error: a worker needs --address HEAD_IP:PORT (printed by ray_start_head.sh)",
+    ),
+    Case(
+        "ray_node",
+        "a node of this script already running with that temp dir",
+        _node_running,
+        2,
+        "error: a Ray head started here with temp dir {tmp}/h is running (pid {pid}): stop it "
+        "with --stop, or give this node another --temp-dir",
+    ),
+]
+
+CASES = CONVERTERS + PLANNER + RAY_NODE + MONITOR + RESOLVE
 HEADER = """# Bad inputs tried per CLI
 
 Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the
@@ -860,6 +900,7 @@ def table() -> str:
         ("converters", "python -m converters"),
         ("parallel", "python -m parallel"),
         ("launcher", "bash scripts/train_mcore.sh"),
+        ("ray_node", "bash scripts/ray_start_{head,worker}.sh"),
         ("monitor", "python -m backend.monitor"),
         ("resolve", "python scripts/stacks/resolve.py"),
     ):

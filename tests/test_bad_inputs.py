@@ -21,6 +21,8 @@ def _main(cli: str):
         from parallel.cli import main
     elif cli == "launcher":
         from recipes.dapo.launch import main
+    elif cli == "ray_node":
+        from recipes.dapo.ray_node import main
     elif cli == "resolve":
         from tests.bad_inputs import resolve_script
 

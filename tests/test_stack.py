@@ -37,9 +37,7 @@ def _good(target: str) -> dict[str, str]:
 def nothing_starts(monkeypatch, tmp_path):
     """A resolved plan (files and plan checked), then whatever the launcher starts."""
     started = []
-    monkeypatch.setattr(
-        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
-    )
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
     monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
     monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
     run = SimpleNamespace(plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path))

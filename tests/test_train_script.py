@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch, overrides, stack
+from recipes.dapo import cluster, launch, lost_node, overrides, stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,10 +49,8 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(
-        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
-    )
-    monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
+    monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append(["ray", "status"]))
     return started
 
 
@@ -99,6 +97,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
     )
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
         **(cluster.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
@@ -369,6 +368,8 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     python.write_text(record + "sys.exit(3)\n")
     monkeypatch.setattr(sys, "executable", str(python))  # cluster.ray_executable: its sibling
     monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
+    # the node watch reads the cluster's node table from Ray's GCS, which the stand-in lacks
+    monkeypatch.setattr(lost_node.NodeWatch, "follow", lambda self, child: None)
 
     def calls():
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -412,7 +413,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
     monkeypatch.setattr(
-        cluster, "run_command", lambda cmd, env, console=None: started.append((cmd, env)) or 0
+        cluster, "run_command", lambda cmd, env, *a: started.append((cmd, env)) or 0
     )
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
@@ -429,6 +430,33 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+
+
+def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, monkeypatch):
+    """--device cpu with --ray-address: the tiny job on the cluster's nodes x devices, verl's
+    ray.init() attached to that address (the nodes declare the resources); without it the
+    embedded run's own Ray, never a running cluster (address=local)."""
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    base = ["--ep", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
+    on = launch.build_parser().parse_args(
+        ["--ray-address", "10.0.0.1:6380", "--nodes", "2", "--devices-per-node", "1", *base]
+    )
+    cluster_run, _, _ = launch.resolve_local(on, [])
+    embedded, _, _ = launch.resolve_local(launch.build_parser().parse_args(base), [])
+    plans = [(r.run.plan.nodes, r.run.plan.devices_per_node) for r in (cluster_run, embedded)]
+    assert plans == [(2, 1), (1, 2)]
+    init = "ray_kwargs.ray_init."
+    assert {
+        k: v for k, v in flat(cluster_run.groups).items() if init in k and "env_vars" not in k
+    } == {f"+{init}address": "'10.0.0.1:6380'"}
+    assert {k: v for k, v in flat(embedded.groups).items() if init in k and "env_vars" not in k} == {
+        f"+{init}address": "local", f"{init}num_cpus": "32", f"+{init}num_gpus": "2",
+        f"+{init}include_dashboard": "false",
+    }  # fmt: skip
+    assert cluster_run.run.env.keys() == embedded.run.env.keys()
+    for key, value in {**cluster.job_env("cpu", None), "VERL_PLATFORM": "cpu"}.items():
+        assert cluster_run.run.env[key] == value
+    assert "Ray: the running cluster at 10.0.0.1:6380 (--ray-address)" in cluster_run.describe()
 
 
 @pytest.mark.parametrize(
@@ -577,3 +605,21 @@ def test_dry_run_names_the_rollout_r3_needs(device, nothing_starts, capsys):
     assert "warning: set" not in capsys.readouterr().out
     assert launch.main(base[:-2]) == 0
     assert "routing replay" not in capsys.readouterr().out
+
+
+def test_last_complete_checkpoint_is_what_resume_loads(tmp_path):
+    """verl's tracker names the step; a checkpoint some rank had not finished (no manifest,
+    as after a kill during the save) is passed over for the newest sealed one."""
+    from converters.manifest import NAME
+    from recipes.dapo.weights import MODEL_DIR, OPTIM_STATE
+
+    assert lost_node.last_complete_checkpoint(tmp_path) is None  # no tracker: nothing saved
+    for step, sealed in ((1, True), (2, False)):
+        actor = tmp_path / f"global_step_{step}" / "actor"
+        for part in (MODEL_DIR, OPTIM_STATE):
+            (actor / part).mkdir(parents=True)
+            if sealed:
+                (actor / part / NAME).write_text("{}")
+        (actor / "meta.json").write_text("{}")
+    (tmp_path / lost_node.TRACKER).write_text("2")
+    assert lost_node.last_complete_checkpoint(tmp_path) == tmp_path / "global_step_1"

@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes),
-# the task-queue optimisation, vLLM's V1 engine (vllm-ascend)
+# Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes;
+# a lost node is not left to them: recipes/dapo/lost_node.py), the task-queue optimisation,
+# vLLM's V1 engine (vllm-ascend)
 A2_ENV = {
     "HCCL_CONNECT_TIMEOUT": "1800",
     "HCCL_EXEC_TIMEOUT": "3600",
@@ -23,7 +24,19 @@ OPEN_FILES = 65536
 READER_GRACE_S = 30  # for the child's last lines once it has exited
 TQ_DEFAULT_THREADS = 8  # transferqueue 0.1.11's TQ_NUM_THREADS default (client.py)
 _DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
-RAY_KIND = {"cuda": "GPU", "npu": "NPU"}
+# the Ray resource each device's ranks ask for; the CPU platform declares "GPU"
+# (recipes/local/platform.py)
+RAY_KIND = {"cuda": "GPU", "npu": "NPU", "cpu": "GPU"}
+# how soon Ray's GCS calls a node dead (its raylet misses health checks): Ray's defaults, pinned
+# on every node by ray_node.py. A node whose processes died misses them at once: dead after
+# ~5 x 3 s; a host that vanished times each check out: under a minute (recipes/README.md,
+# "A lost node")
+RAY_HEALTH = {
+    "RAY_health_check_initial_delay_ms": "5000",
+    "RAY_health_check_period_ms": "3000",
+    "RAY_health_check_timeout_ms": "10000",
+    "RAY_health_check_failure_threshold": "5",
+}
 
 
 class LaunchError(RuntimeError):
@@ -34,20 +47,50 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     """Environment of every process of the job (also passed to Ray workers).
 
     PYTHONPATH keeps what is set (CANN's set_env.sh puts its Python packages there) and adds the
-    repository. No VERL_USE_EXTERNAL_MODULES: it would import the engine (megatron-core and, on
-    Ascend, MindSpeed's global patches) in every reward, agent-loop and vLLM process;
-    `actor_rollout_ref.model.external_lib` loads it in the workers that build the actor.
+    repository. No VERL_USE_EXTERNAL_MODULES on accelerators: it would import the engine
+    (megatron-core and, on Ascend, MindSpeed's global patches) in every reward, agent-loop and
+    vLLM process; `actor_rollout_ref.model.external_lib` loads it in the workers that build the
+    actor. On cpu it names the CPU platform and rollout, which every process must register.
     """
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO) not in pythonpath:
         pythonpath.append(str(REPO))
-    env = {"PYTHONPATH": os.pathsep.join(pythonpath), "TQ_NUM_THREADS": transferqueue_threads()}
+    env = {
+        "PYTHONPATH": os.pathsep.join(pythonpath),
+        "RAY_AUTH_MODE": ray_auth_mode(),
+        "TQ_NUM_THREADS": transferqueue_threads(),
+    }
     if device == "npu":
         env.update(A2_ENV)
+    if device == "cpu":
+        from recipes.local.overrides import CPU_ENV
+
+        env.update(CPU_ENV)
     if ifname:
         socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
         env.update({socket: ifname, "GLOO_SOCKET_IFNAME": ifname})
     return env
+
+
+def ray_auth_mode() -> str:
+    """One Ray authentication mode for every node and client of the job: token unless set.
+
+    Ray 2.60's `ray start --head` turns token authentication on by itself when it finds a
+    token (~/.ray/auth_token, which any earlier local `ray.init()` writes), while `ray start
+    --address`, `ray status` and `ray.init(address=...)` never do: without one explicit mode a
+    worker cannot join such a head."""
+    return os.environ.get("RAY_AUTH_MODE", "token")
+
+
+def ensure_auth_token(env: dict[str, str]) -> None:
+    """On the head: Ray's token (~/.ray/auth_token, or RAY_AUTH_TOKEN_PATH), made if missing
+    (`ray get-auth-token --generate`); every other node and client needs a copy of it."""
+    if env.get("RAY_AUTH_MODE") != "token":
+        return
+    cmd = [ray_executable(), "get-auth-token", "--generate"]  # prints the token: kept quiet
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, timeout=120)
+    if done.returncode != 0:
+        raise LaunchError(f"`ray get-auth-token --generate` failed: {done.stderr.decode()[-200:]}")
 
 
 def transferqueue_threads() -> str:
@@ -74,36 +117,54 @@ def ray_executable() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def ray_devices(status: str, device: str) -> int:
-    """Total GPUs / NPUs in `ray status` output."""
-    kind = RAY_KIND[device]
-    return int(sum(float(total) for _, total, k in _DEVICES.findall(status) if k == kind))
+def ray_devices(status: str) -> dict[str, int]:
+    """{"GPU": n, "NPU": m}: the cluster's totals in `ray status` output."""
+    totals = {"GPU": 0.0, "NPU": 0.0}
+    for _, total, kind in _DEVICES.findall(status):
+        totals[kind] += float(total)
+    return {kind: int(n) for kind, n in totals.items()}
 
 
-def check_ray(device: str, expected: int) -> None:
-    """The running Ray cluster offers at least `expected` devices of the right kind."""
+def check_ray(device: str, expected: int, address: str | None = None, env=None) -> None:
+    """The running Ray cluster (at `address`, or the one Ray finds from this node) offers at
+    least `expected` devices of the kind the run's ranks ask for."""
+    cmd = [ray_executable(), "status", *(["--address", address] if address else [])]
     try:
-        out = subprocess.run(
-            [ray_executable(), "status"], capture_output=True, text=True, timeout=120
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                             env={**os.environ, **(env or {})})  # fmt: skip
     except FileNotFoundError:
         raise LaunchError(
             "`ray` is not installed here: run scripts/bootstrap.sh and launch from the repo"
         ) from None
+    where = f" at {address}" if address else ""
+    if out.returncode != 0 and "Authentication" in out.stderr:
+        raise LaunchError(
+            f"the Ray cluster{where} refused this client (token authentication): launch with "
+            "RAY_AUTH_MODE=token and the head's token (~/.ray/auth_token or RAY_AUTH_TOKEN_PATH)"
+        )
     if out.returncode != 0:
         raise LaunchError(
-            "no running Ray cluster: start scripts/ray_start_head.sh on this node and "
-            "scripts/ray_start_worker.sh on the others"
+            f"no running Ray cluster{where}: start scripts/ray_start_head.sh on the head node "
+            "and scripts/ray_start_worker.sh on the others"
+            + ("" if address else " (or pass --ray-address HEAD_IP:PORT)")
         )
-    have = ray_devices(out.stdout, device)
-    if have < expected:
+    kind, have = RAY_KIND[device], ray_devices(out.stdout)
+    other = {k: n for k, n in have.items() if k != kind and n}
+    if have[kind] < expected and other:
+        ((wrong, n),) = other.items()
         raise LaunchError(
-            f"Ray cluster offers {have} {RAY_KIND[device]}s, the plan needs {expected}: start "
+            f"Ray cluster{where} offers {have[kind]} {kind} and {n} {wrong}, the {device} plan "
+            f"needs {expected} {kind} ({device} ranks ask Ray for {kind}): restart the {wrong} "
+            f"node(s) with scripts/ray_start_worker.sh --device {device}"
+        )
+    if have[kind] < expected:
+        raise LaunchError(
+            f"Ray cluster{where} offers {have[kind]} {kind}, the plan needs {expected}: start "
             "scripts/ray_start_worker.sh on the missing nodes, or lower --nodes"
         )
 
 
-def run_command(cmd: list[str], env: dict[str, str], console=None) -> int:
+def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -> int:
     """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
     passed on to the child (which stops its run and its Ray job), and the launcher waits for
     it; the exit status is the child's (128 + N when signal N ended it, as a shell reports).
@@ -111,11 +172,16 @@ def run_command(cmd: list[str], env: dict[str, str], console=None) -> int:
     console (recipes.dapo.console.Console): the child's stdout and stderr, merged, pass
     through its `feed` line by line; without one they go where this process's go. A
     checkpoint the engine refused (the Console's `refusal`) raises that CheckpointError here,
-    in one line naming the log that holds the trainer's traceback."""
+    in one line naming the log that holds the trainer's traceback.
+
+    watch (recipes.dapo.lost_node.NodeWatch): follows the cluster's nodes meanwhile and stops
+    the child once one of them died."""
     piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     extra = {"PYTHONUNBUFFERED": "1"} if console else {}  # lines as they are printed
     child = subprocess.Popen(cmd, env={**os.environ, **env, **extra}, cwd=REPO,
                              **(piped if console else {}))  # fmt: skip
+    if watch is not None:
+        watch.follow(child)
     with _signals_to(child):
         if console:
             reader = threading.Thread(target=_pass_lines, args=(child.stdout, console),
@@ -124,6 +190,8 @@ def run_command(cmd: list[str], env: dict[str, str], console=None) -> int:
         while (code := _wait(child)) is None:
             if console:
                 console.tick()
+    if watch is not None:
+        watch.close(failed=code != 0)
     code = 128 - code if code < 0 else code
     if console:
         # a process the child left behind may hold the pipe open: do not wait for it forever

@@ -3,9 +3,12 @@
 Cluster run (--device npu|cuda, or the accelerator this machine has): check the plan against
 the model (parallel/), the model and data files, the device stack; decide offload with the
 memory model; print the resolved config; check `ray status`; start verl's own entry point
-(`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster.
-Local run (no accelerator, or --device cpu): the embedded CPU recipe.
-Everything after `--` passes through as verl overrides (or local-run flags).
+(`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster, watching its
+nodes (recipes.dapo.lost_node).
+Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
+own Ray; with --ray-address, the same tiny job on that running cluster, through the cluster
+run's steps (`ray status` check, job environment, node watch): the one-box rehearsal.
+Everything after `--` passes through as verl overrides.
 Console (recipes.dapo.console): the child's whole output goes to <run>/logs/launch_NNN.log;
 the screen shows a line per trainer step, each distinct warning once, the run-health
 alarms and the summary (`--verbose`: every line, as verl prints them).
@@ -26,7 +29,16 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, resume, stack
+from recipes.dapo import (
+    BACKEND,
+    check_actor_cp,
+    cluster,
+    data,
+    lost_node,
+    overrides,
+    resume,
+    stack,
+)
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -70,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ckpt-dir", help="checkpoints and logs (shared filesystem); local run: its --out"
     )
     p.add_argument("--ifname", help="network interface for HCCL/NCCL and gloo (e.g. eth0)")
+    p.add_argument(
+        "--ray-address",
+        metavar="HEAD_IP:PORT",
+        help="the running Ray cluster (ray_start_head.sh prints it); default: the one Ray finds "
+        "from this node. --device cpu: run the tiny job on it instead of the embedded run",
+    )
     p.add_argument("--dry-run", action="store_true", help="resolve and print, start nothing")
     p.add_argument(
         "--skew-from",
@@ -122,6 +140,7 @@ class Resolved:
             lines += self._layout_and_warnings()
         lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
         lines += replay_lines(self.groups, run.device)
+        lines.append(f"Ray: {ray_line(run)}")
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
         if self.replaced:
@@ -155,6 +174,14 @@ R3_ROLLOUT = {
         "kernel's experts)"
     ),
 }
+
+
+def ray_line(run: overrides.RunSpec) -> str:
+    if run.ray_address:
+        return f"the running cluster at {run.ray_address} (--ray-address)"
+    if run.device == "cpu":
+        return "a new one, started by verl's ray.init() for this run (the embedded run)"
+    return "the running cluster Ray finds from this node (ray status; --ray-address to name it)"
 
 
 def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
@@ -280,6 +307,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         str(Path(args.val_file or "<val-file>").expanduser()),
         str(ckpt_dir),
         env,
+        ray_address=args.ray_address,
     )
     built = overrides.build(run)
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
@@ -312,9 +340,8 @@ def _skew_lines(model_fit, fit, skew) -> tuple[str, ...]:
 
 
 def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
-    """The embedded run: the same overrides on the tiny model and task (recipes.local)."""
-    import math
-
+    """The embedded run: the same overrides on the tiny model and task (recipes.local); with
+    --ray-address on that cluster's --nodes x --devices-per-node ranks."""
     from parallel.plan import ParallelPlan
     from recipes.dapo.fit import Fit
     from recipes.local import run as local
@@ -331,8 +358,8 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     layers = TINY_QWEN3_MOE["num_hidden_layers"]
     if layers % pp:
         raise LaunchError(f"--pp {pp} does not divide the tiny model's {layers} layers: use 1 or 2")
-    world = math.lcm(tp, ep) * pp  # dp: the smallest that lets the experts fold over the ranks
-    plan = ParallelPlan(nodes=1, devices_per_node=world, tp=tp, ep=ep, pp=pp)
+    nodes, per_node = _local_layout(args, tp, ep, pp)
+    plan = ParallelPlan(nodes=nodes, devices_per_node=per_node, tp=tp, ep=ep, pp=pp)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     if not args.resume and not args.dry_run:
         _start_over(out)
@@ -342,13 +369,23 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.RunSpec(
         "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
-        str(out / "checkpoints"), local.job_env(cluster.REPO, out),
-        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
+        str(out / "checkpoints"), local.job_env(out),
+        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
     groups = overrides.name_the_run(groups)
     _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
     return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _local_layout(args, tp: int, ep: int, pp: int) -> tuple[int, int]:
+    """(nodes, ranks per node): the cluster's with --ray-address; else one node of the
+    smallest dp that lets the experts fold over the ranks."""
+    import math
+
+    if args.ray_address:
+        return args.nodes, args.devices_per_node
+    return 1, math.lcm(tp, ep) * pp
 
 
 def _check_cpu_rollout_model(model: Path) -> None:
@@ -375,31 +412,34 @@ def _start_over(out: Path) -> None:
 
 def run(args, extra: list[str]) -> int:
     device = pick_device(args.device)
+    t0 = time.perf_counter()
     if device == "cpu":
-        t0 = time.perf_counter()
         resolved, out, hf_dir = resolve_local(args, extra)
-        if args.dry_run:
-            print(resolved.describe())
-            return 0
-        from recipes.local.run import run as run_local
-
-        resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
-        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug)
-    resolved = resolve(args, device, extra)
+    else:
+        resolved = resolve(args, device, extra)
     if args.dry_run:
         print(resolved.describe())
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
-    resume.check_resume(resolved.groups, cluster.REPO)
+    resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
     if device == "npu":
         cluster.raise_open_files()
-    cluster.check_ray(device, resolved.run.plan.world)
-    return run_cluster(resolved, args.verbose, args.debug)
+    env, watch = resolved.run.env, None
+    if device != "cpu" or args.ray_address:  # a running cluster: the same steps on every device
+        cluster.check_ray(device, resolved.run.plan.world, args.ray_address, env)
+        watch = lost_node.NodeWatch(args.ray_address, env)
+    if device == "cpu":
+        from recipes.local.run import run as run_local
+
+        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug,
+                         watch=watch)  # fmt: skip
+    return run_cluster(resolved, args.verbose, args.debug, watch)
 
 
-def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False) -> int:
-    """verl's entry point through the console; then the routing report with the alarms. A
-    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster)."""
+def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None) -> int:
+    """verl's entry point through the console, watching the cluster's nodes (`watch`,
+    recipes.dapo.lost_node); then the routing report with the alarms. A checkpoint the engine
+    refused raises its CheckpointError (recipes.dapo.cluster)."""
     from recipes.dapo.console import next_index, open_console
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
 
@@ -408,7 +448,7 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False) -> int:
                            resolved.run.env.get("TENSORBOARD_DIR"), debug=debug)  # fmt: skip
     try:
         console.header(resolved.describe())
-        code = cluster.run_command(resolved.command, resolved.run.env, console)
+        code = cluster.run_command(resolved.command, resolved.run.env, console, watch)
         actor = latest_actor_checkpoint(run_dir) if code == 0 else None
         with console.capture():
             written = routing_report(actor / "moe_report.json", run_dir) if actor else {}
@@ -416,6 +456,10 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False) -> int:
         console.close()
     for name, path in written.items():
         print(f"{name}: {path}")
+    resume_hint = "relaunch the same command (trainer.resume_mode=auto resumes it)"
+    lost = lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
+    if lost:
+        print(lost, file=sys.stderr)
     return code
 
 

@@ -61,6 +61,9 @@ class RunSpec:
     env: dict[str, str]
     steps: int | None = None  # trainer.total_training_steps (None: the epochs decide)
     save_freq: int = DAPO["save_freq"]
+    # the running cluster verl's ray.init() attaches to (None: the one Ray finds from this
+    # node; the embedded CPU run starts its own)
+    ray_address: str | None = None
     repo: Path = Path(__file__).resolve().parents[2]
 
 
@@ -191,9 +194,13 @@ def trainer(run: RunSpec) -> dict:
 
 
 def ray_env(run: RunSpec) -> dict:
-    """Environment of every Ray worker of the job (verl's ray_init.runtime_env)."""
+    """Environment of every Ray worker of the job (verl's ray_init.runtime_env), and the
+    cluster its ray.init() attaches to."""
     # Ray wants str values: hydra would make HCCL_EXEC_TIMEOUT=3600 an int
-    return {f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": quoted(v) for k, v in run.env.items()}
+    env = {f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}": quoted(v) for k, v in run.env.items()}
+    if run.ray_address:
+        env["+ray_kwargs.ray_init.address"] = quoted(run.ray_address)
+    return env
 
 
 GROUPS = {

@@ -134,6 +134,16 @@ def load_model(module, ckpt: Path) -> None:
     module.load_state_dict(state)
 
 
+def weights_norm(module) -> float:
+    """L2 norm of this rank's parameters, accumulated in float64 a slice at a time (no
+    full-size copy): the resume log line's fingerprint of what a load left in the model."""
+    total = 0.0
+    for param in module.parameters():
+        for part in param.detach().reshape(-1).split(1 << 24):
+            total += float(part.double().square().sum())
+    return total**0.5
+
+
 def save_meta(root: Path, global_step: int, plan: dict[str, int], experts: str) -> None:
     """experts: the module the optimizer state belongs to (model weights load into either)."""
     body = {"format": FORMAT, "global_step": global_step, "plan": plan, "experts": experts}
@@ -184,6 +194,19 @@ def seal(root: Path, dirs: list[Path]) -> None:
         for d in dirs:
             write_manifest(d, kind="mcore-torch_dist", source=str(root))
     dist.barrier()
+
+
+def is_sealed(root: Path) -> bool:
+    """Whether every rank finished writing the actor checkpoint `root` (seal wrote its
+    manifests: the model's, and the optimizer's where it was saved)."""
+    from converters.manifest import NAME
+
+    optim = root / OPTIM_STATE
+    return (
+        (root / "meta.json").is_file()
+        and (root / MODEL_DIR / NAME).is_file()
+        and (not optim.exists() or (optim / NAME).is_file())
+    )
 
 
 def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:

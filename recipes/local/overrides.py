@@ -10,6 +10,18 @@ PLATFORM_MODULES = "recipes.local.platform"
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (recipes/README.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
 ROLLOUT_TP = 1
+# the CPU platform's part of the job environment (recipes.dapo.cluster.job_env): the driver's
+# and every Ray worker's, on the embedded run and on a cluster alike
+CPU_ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
+    "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
+    # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
+    # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
 # per-sample rollout path (timings: recipes/README.md, "The toy task")
 TOY = dict(
@@ -94,9 +106,19 @@ def cpu_overrides(run) -> dict[str, dict]:
             + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
-            "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
-            "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
-            "+ray_kwargs.ray_init.include_dashboard": False,
             "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
+            **({} if run.ray_address else embedded_ray(world)),
         },
+    }
+
+
+def embedded_ray(world: int) -> dict:
+    """The Ray that verl's ray.init() starts for the embedded run: a new one always (never a
+    cluster that `ray start` left on this machine), with what the CPU platform declares. On a
+    running cluster the nodes declare it (recipes/dapo/ray_node.py)."""
+    return {
+        "+ray_kwargs.ray_init.address": "local",
+        "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
+        "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
+        "+ray_kwargs.ray_init.include_dashboard": False,
     }

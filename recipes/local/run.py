@@ -46,26 +46,16 @@ def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     return hf_dir, files
 
 
-def job_env(repo: Path, out: Path) -> dict[str, str]:
-    """The environment of the driver and (through ray_env) every Ray worker."""
-    from recipes.dapo.cluster import transferqueue_threads
-    from recipes.local.overrides import PLATFORM_MODULES
+def job_env(out: Path) -> dict[str, str]:
+    """The environment of the driver and (through ray_env) every Ray worker: the cluster
+    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs."""
+    from recipes.dapo.cluster import job_env as cluster_env
 
-    path = os.environ.get("PYTHONPATH", "")
     return {
-        "VERL_PLATFORM": "cpu",
-        "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
-        "PYTHONPATH": f"{repo}{os.pathsep}{path}" if path else str(repo),
+        **cluster_env("cpu", None),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         # verl's file logger truncates its file: each launch (a resume too) gets its own
         "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
-        "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
-        # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
-        # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_DEDUP_LOGS": "0",
-        "TQ_NUM_THREADS": transferqueue_threads(),
     }
 
 
@@ -126,12 +116,14 @@ def read_history(folder: Path) -> list[dict]:
 
 
 def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
-        debug: bool = False) -> int:  # fmt: skip
+        debug: bool = False, watch=None) -> int:  # fmt: skip
     """verl's trainer through the launcher's console (recipes.dapo.console), then finish. A
-    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster)."""
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster). watch: a
+    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address)."""
     from backend.monitor.alarms import AlarmRules
     from recipes.dapo.cluster import run_command
     from recipes.dapo.console import open_console
+    from recipes.dapo.lost_node import failure_line
     from recipes.local.overrides import TOY_ALARMS
 
     env = resolved.run.env
@@ -140,10 +132,11 @@ def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
                            AlarmRules(**TOY_ALARMS), debug=debug)  # fmt: skip
     try:
         console.header(resolved.describe())
-        code = run_command(resolved.command, env, console)
+        code = run_command(resolved.command, env, console, watch)
         verl_s = time.perf_counter() - t0
         if code != 0:
-            print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
+            lost = failure_line(watch, resolved.run.ckpt_dir, resume="relaunch with --resume")
+            print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
             return code
         return finish(out, hf_dir, time.perf_counter() - t0, verl_s, console=console,
                       world=resolved.run.plan.world)  # fmt: skip

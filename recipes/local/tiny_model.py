@@ -21,9 +21,16 @@ def tiny_config(**overrides):
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Randomly initialise the tiny model and save_pretrained it (safetensors) to out_dir."""
     from transformers import Qwen3MoeForCausalLM
+    from transformers.utils import logging
 
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(tiny_config(**overrides))
     out = Path(out_dir)
-    model.save_pretrained(out, safe_serialization=True)
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # one small shard: no bar on the launcher's stderr
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
     return out
