@@ -77,10 +77,13 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     out, proc = run3
     ckpt = out / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    for step in (2, 3):
+    from recipes.dapo.weights import is_complete
+
+    for step in (2, 3):  # step 2 written in the background and sealed later, 3 the last
         actor = ckpt / f"global_step_{step}" / "actor"
         assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
         assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
+        assert is_complete(actor)  # every directory sealed with its manifest
         assert json.loads((actor / "meta.json").read_text())["global_step"] == step
     # verl's own data.pt: the exact allow-list the launcher and the engine check it with
     from converters.safe_pickle import TORCH_SAVE_ALLOWED
@@ -98,12 +101,19 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
 
 @pytest.mark.trainer_flow
 def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
-    """A run killed after its step-2 save: resume_mode=auto loads it and trains step 3.
+    """A run killed while writing its step-3 save in the background: its step-2 save is the
+    newest complete one; resume_mode=auto loads it (one line says why) and trains step 3,
+    whose save replaces the half-written one.
 
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
     src, _ = run3
     out = resumable_copy(src, tmp_path / "resumed")
+    half = out / "checkpoints" / "global_step_3"
+    shutil.copytree(src / "checkpoints" / "global_step_3", half)
+    for d in half.glob("actor/*/dist_ckpt"):  # as a kill before the writes were finalized
+        for name in (".metadata", "metadata.json", "manifest.json"):
+            (d / name).unlink()
     rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
     (out / "metrics").mkdir()
@@ -111,6 +121,10 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
     assert proc.returncode == 0
     assert "Resuming from" in proc.stdout + proc.stderr
+    assert (
+        f"resuming from {out / 'checkpoints/global_step_2'}, the newest complete checkpoint: "
+        f"{half} was not completely written" in proc.stdout
+    )
     resumed = history(out)
     assert sorted(resumed) == [1, 2, 3]
     # step 3 ran on the checkpoint's weights: the rollout got them through the sync after
@@ -121,6 +135,9 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
         json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
         == 3
     )
+    from recipes.dapo.weights import is_complete
+
+    assert is_complete(half / "actor")  # written again by the resumed run, and sealed
 
 
 def resumable_copy(src: Path, out: Path) -> Path:

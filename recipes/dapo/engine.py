@@ -15,7 +15,9 @@ BaseEngine calls verl's workers make map onto our code:
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
-  save/load_checkpoint  recipes.dapo.weights (layout in its docstring)
+  save/load_checkpoint  recipes.dapo.weights (layout in its docstring); saves written in the
+                      background and sealed later with verl's checkpoint.async_save
+                      (recipes.dapo.saving)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
@@ -28,8 +30,10 @@ BaseEngine calls verl's workers make map onto our code:
 
 import logging
 import os
+import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,7 +56,7 @@ from backend.timing import (
     comm_share_warning,
     max_over_ranks,
 )
-from recipes.dapo import batches, weights
+from recipes.dapo import batches, saving, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.heads import head_from_hidden
 
@@ -153,6 +157,7 @@ class McoreEpEngine(BaseEngine):
         self.spec = load_spec(model_config.local_path)
         check_against_model(self.plan, self.spec)  # before any group exists: one-line errors
         self.groups = init_parallel(self.device, self.plan, seed=engine_config.seed)
+        self.writer = saving.CheckpointWriter(self.groups.dp, self._torch_device)
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
@@ -511,6 +516,7 @@ class McoreEpEngine(BaseEngine):
         last one (verl's `update_lr_scheduler` flag; without the flag, with every step): verl
         reduces an actor metric over the updates by np.min when its key contains "min", as
         "timing" does, so a value per update would log the smallest update."""
+        self.writer.poll()  # a save written in the background: sealed once every rank is done
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
         self._timing = add_steps(self._timing, self.timer.step_end())
@@ -568,33 +574,61 @@ class McoreEpEngine(BaseEngine):
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
     ):
+        """recipes.dapo.saving: the previous save is sealed first; this one is written in the
+        background with `checkpoint.async_save` (sealed later, at a train_batch), except at
+        the run's last step, which returns sealed."""
         if hdfs_path:
             raise ValueError(
                 "mcore_ep writes local (shared-filesystem) checkpoints only: "
                 "unset trainer.default_hdfs_dir"
             )
+        self.writer.finish()
         root, rank = Path(local_path), dist.get_rank()
         contents = set(self.checkpoint_config.get("save_contents", ["model", "optimizer", "extra"]))
         with_optim = self.optim is not None and "optimizer" in contents
+        in_background = self._async_save and not self._last_step
+        weights.clear_for_save(root)
         self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
-        config_json = Path(self.model_config.local_hf_config_path) / "config.json"
-        weights.save_model(self.module, root / weights.MODEL_DIR, config_json, self.device)
+        model_dir = root / weights.MODEL_DIR
+        self.writer.write("model", self.module.sharded_state_dict(), model_dir, in_background)
         if rank == 0:
+            config_json = Path(self.model_config.local_hf_config_path) / "config.json"
+            shutil.copyfile(config_json, model_dir / weights.HF_CONFIG)
             weights.save_meta(root, global_step, self.plan.record(), self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
         if with_optim:
             # params stay loaded: the sharded optimizer state refers to the model's shards
             self.onload(model=False, optimizer=self.is_optimizer_offload_enabled, grad=False)
-            self.optim.save(root / weights.OPTIM_DIR)
+            state_dir = root / weights.OPTIM_STATE
+            self.writer.write("optim", self.optim.sharded_for_save(), state_dir, in_background)
+            if rank == 0:
+                self.optim.write_schedule(root / weights.OPTIM_DIR)
             self.offload(model=False, optimizer=self.is_optimizer_offload_enabled)
         self.offload(model=self.is_param_offload_enabled, optimizer=False)
-        sealed = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
-        weights.seal(root, sealed)
-        if rank == 0:
-            self._saved.append(root)
-            weights.prune(self._saved, max_ckpt_to_keep)
+        dirs = [model_dir] + ([root / weights.OPTIM_STATE] if with_optim else [])
+        tracker = saving.tracker_of(root) if self._async_save else None
+        sealed = partial(self._sealed, keep=max_ckpt_to_keep)
+        self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
+        if not in_background:
+            self.writer.finish()
+
+    @property
+    def _async_save(self) -> bool:
+        """verl's `checkpoint.async_save`: its trainer then leaves the tracker to the engine."""
+        return bool(self.checkpoint_config.get("async_save", False))
+
+    @property
+    def _last_step(self) -> bool:
+        """The run's last save (verl saves at its last step): every scheduled update is done."""
+        total = getattr(self.optimizer_config, "total_training_steps", None) or 0
+        return self.optim is None or (total > 0 and self.optim.updates >= total)
+
+    def _sealed(self, root: Path, keep: int | None) -> None:
+        self._saved.append(root)
+        weights.prune(self._saved, keep)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        self.writer.finish()
         root = Path(local_path)
         meta = weights.read_meta(root)
         contents = set(self.checkpoint_config.get("load_contents", ["model", "optimizer", "extra"]))
@@ -607,13 +641,12 @@ class McoreEpEngine(BaseEngine):
                 "experts setting, or export its weights (python -m converters mcore-to-hf) and "
                 "start from them"
             )
+        dirs = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
         if with_optim:
             weights.check_optim_dir(root)
+        weights.check_complete(dirs)
         # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
-        weights.check_sealed(
-            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else []),
-            step_dir=root.parent,
-        )
+        weights.check_sealed(dirs, step_dir=root.parent)
         self.onload(
             model=self.is_param_offload_enabled,
             optimizer=with_optim and self.is_optimizer_offload_enabled,

@@ -367,19 +367,28 @@ def run(args, extra: list[str]) -> int:
             return 0
         from recipes.local.run import run as run_local
 
-        resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
+        settle_resume(resolved.groups)
         return run_local(resolved, out, hf_dir, t0, debug=args.debug)
     resolved = resolve(args, device, extra)
     print(resolved.describe())
     if args.dry_run:
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
-    resume.check_resume(resolved.groups, cluster.REPO)
+    settle_resume(resolved.groups)
     if device == "npu":
         cluster.raise_open_files()
     cluster.check_ray(device, resolved.run.plan.world)
     log = Path(resolved.run.ckpt_dir) / trainer_output.LOG_NAME
     return cluster.run_command(resolved.command, resolved.run.env, log=log, debug=args.debug)
+
+
+def settle_resume(groups: dict[str, dict]) -> None:
+    """The checkpoint verl will resume from: a complete one (a line says which, when a
+    stopped run left one half written), and what verl will unpickle, checked."""
+    note = resume.settle_unfinished(groups, cluster.REPO)
+    if note:
+        print(note)
+    resume.check_resume(groups, cluster.REPO)
 
 
 def main(argv: list[str] | None = None) -> int:

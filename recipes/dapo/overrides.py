@@ -181,6 +181,9 @@ def trainer(run: RunSpec) -> dict:
         "trainer.save_freq": DAPO["save_freq"],
         "trainer.test_freq": DAPO["test_freq"],
         "trainer.resume_mode": "auto",
+        # checkpoints written in the background (recipes.dapo.saving); verl then leaves the
+        # tracker (latest_checkpointed_iteration.txt) to the engine, which writes it once sealed
+        f"{ACTOR}.checkpoint.async_save": True,
         "trainer.val_before_train": True,
         "trainer.default_local_dir": run.ckpt_dir,
         "hydra.run.dir": f"{run.ckpt_dir}/hydra",  # not ./outputs in the working directory

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.qwen3_moe import Qwen3MoeSpec
-from converters.convert import HF_CONFIG  # the config.json copy the export reads
+from converters.convert import HF_CONFIG  # noqa: F401  (the config.json copy the export reads)
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
@@ -111,17 +111,6 @@ def load_hf(module, hf_dir: str | Path, spec: Qwen3MoeSpec, groups: ProcessGroup
 # ---- checkpoints -----------------------------------------------------------------------
 
 
-def save_model(module, out: Path, hf_config: Path, device: str) -> None:
-    """megatron-core torch_dist checkpoint of this rank's shards (collective: every rank calls)."""
-    from megatron.core import dist_checkpointing
-
-    out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(module.sharded_state_dict(), str(out))
-    if dist.get_rank() == 0:
-        shutil.copyfile(hf_config, out / HF_CONFIG)
-
-
 def load_model(module, ckpt: Path) -> None:
     """Our torch_dist checkpoint, resharded to this rank's plan (collective)."""
     from megatron.core import dist_checkpointing
@@ -167,6 +156,8 @@ def check_optim_dir(root: Path) -> None:
             "mcore_ep, which this engine does not unpickle: resume from its model weights only "
             "(checkpoint.load_contents=[model]) or export them (python -m converters mcore-to-hf)"
         )
+    if (optim / "dist_ckpt").is_dir():
+        check_complete([optim / "dist_ckpt"])
     if not (optim / "dist_ckpt" / ".metadata").is_file():
         raise CheckpointError(
             f"{optim} has no megatron-core optimizer checkpoint (dist_ckpt/.metadata): was the "
@@ -174,16 +165,29 @@ def check_optim_dir(root: Path) -> None:
         )
 
 
-def seal(root: Path, dirs: list[Path]) -> None:
-    """After every rank wrote: rank 0 hashes each checkpoint directory into its manifest.json
-    (converters.manifest; mcore-to-hf and resume check against it). Collective."""
-    from converters.manifest import write_manifest
+def is_complete(root: Path) -> bool:
+    """A saved actor checkpoint whose every torch_dist directory carries its manifest.json:
+    written to the end and sealed (recipes.dapo.saving). A save cut short has none."""
+    from converters.manifest import NAME
 
-    dist.barrier()
-    if dist.get_rank() == 0:
-        for d in dirs:
-            write_manifest(d, kind="mcore-torch_dist", source=str(root))
-    dist.barrier()
+    dirs = [d for d in (root / MODEL_DIR, root / OPTIM_STATE) if d.is_dir()]
+    return (root / MODEL_DIR).is_dir() and all((d / NAME).is_file() for d in dirs)
+
+
+def unfinished_error(where: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{where} was not completely written (no manifest.json: the run stopped while saving "
+        "it): resume from a complete checkpoint (trainer.resume_mode=auto picks the newest) "
+        "or from an earlier global_step_N (trainer.resume_from_path)"
+    )
+
+
+def check_complete(dirs: list[Path]) -> None:
+    from converters.manifest import NAME
+
+    for d in dirs:
+        if not (d / NAME).is_file():
+            raise unfinished_error(d)
 
 
 def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
@@ -199,6 +203,7 @@ def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
     problem = [None]
     if dist.get_rank() == 0:
         try:
+            check_complete(dirs)
             if step_dir is not None:
                 check_data_state(step_dir)
             for d in dirs:
@@ -215,3 +220,12 @@ def prune(saved: list[Path], keep: int | None) -> None:
     """Remove the oldest saved actor checkpoints beyond `keep` (rank 0)."""
     while keep and keep > 0 and len(saved) > keep:
         shutil.rmtree(saved.pop(0), ignore_errors=True)
+
+
+def clear_for_save(root: Path) -> None:
+    """Rank 0 removes what an earlier save left in `root` (a half-written one of a stopped
+    run, or one this save replaces), so that no stale file mixes into its manifest.
+    Collective."""
+    if dist.get_rank() == 0 and root.exists():
+        shutil.rmtree(root)
+    dist.barrier()
