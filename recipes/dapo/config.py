@@ -16,6 +16,9 @@ from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
 from recipes.dapo import BACKEND, check_actor_cp
 
+# full-tensor bytes per gathered bucket of the weight sync: ~120 buckets for Qwen3-30B-A3B
+WEIGHT_SYNC_BUCKET_MB = 512
+
 
 class EngineConfigError(ValueError):
     """An mcore_ep engine setting this engine cannot run."""
@@ -41,6 +44,9 @@ class McoreEpEngineConfig(EngineConfig):
     packed: micro-batches as packed sequences (one [1, T] row, megatron-core THD
     PackedSeqParams; planned on real tokens) instead of right-padded [B, S]; needs our SDPA
     attention ("auto" then picks it on every device).
+    weight_sync_bucket_mb: the rollout weight stream gathers its tensors in buckets of at
+    most this many MiB of full tensors, one collective per group and bucket (0: one per
+    tensor); the same names, values and order either way (parallel.weight_sync).
     """
 
     strategy: str = BACKEND
@@ -59,6 +65,7 @@ class McoreEpEngineConfig(EngineConfig):
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
     router_replay: str = "disabled"
     packed: bool = False
+    weight_sync_bucket_mb: float = WEIGHT_SYNC_BUCKET_MB
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,6 +90,11 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 "packed=True needs attention='sdpa' (or 'auto'): megatron-core's local "
                 "attention has no packed-sequence (THD) path"
+            )
+        if not self.weight_sync_bucket_mb >= 0:
+            raise EngineConfigError(
+                f"weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: give the bucket size "
+                "in MiB (0: gather one tensor at a time)"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(

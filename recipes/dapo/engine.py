@@ -14,7 +14,8 @@ BaseEngine calls verl's workers make map onto our code:
                       logits held) -> verl's loss_function -> backward
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
-  get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
+  get_per_tensor_param  HF-named full tensors, gathered over TP/EP in buckets
+                      (mcore_ep.weight_sync_bucket_mb; converters.buckets)
   save/load_checkpoint  recipes.dapo.weights (layout in its docstring); saves written in the
                       background and sealed later with verl's checkpoint.async_save
                       (recipes.dapo.saving)
@@ -568,7 +569,9 @@ class McoreEpEngine(BaseEngine):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
             self.onload(model=True, optimizer=False, grad=False)
-        tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers)
+        bucket = int(self.engine_config.weight_sync_bucket_mb * 2**20)
+        tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers,
+                                     bucket)  # fmt: skip
         return self.timer.timed_items("weight_sync", tensors), None
 
     def save_checkpoint(
