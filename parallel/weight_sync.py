@@ -21,6 +21,9 @@ from backend.qwen3_moe import Qwen3MoeSpec
 from parallel.layout import RankLayout
 from parallel.plan import ParallelPlan
 
+# the engine's default bucket (mcore_ep.weight_sync_bucket_mb): ~120 buckets for Qwen3-30B-A3B
+DEFAULT_BUCKET_MB = 512
+
 
 @dataclass(frozen=True)
 class SyncItem:

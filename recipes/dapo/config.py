@@ -14,10 +14,8 @@ from verl.workers.config.engine import EngineConfig
 
 from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
+from parallel.weight_sync import DEFAULT_BUCKET_MB
 from recipes.dapo import BACKEND, check_actor_cp
-
-# full-tensor bytes per gathered bucket of the weight sync: ~120 buckets for Qwen3-30B-A3B
-WEIGHT_SYNC_BUCKET_MB = 512
 
 
 class EngineConfigError(ValueError):
@@ -47,6 +45,9 @@ class McoreEpEngineConfig(EngineConfig):
     weight_sync_bucket_mb: the rollout weight stream gathers its tensors in buckets of at
     most this many MiB of full tensors, one collective per group and bucket (0: one per
     tensor); the same names, values and order either way (parallel.weight_sync).
+    packed_length_step: with packed, every micro-batch's packed total is rounded up to a
+    multiple of this many tokens, so a run sees a bounded set of shapes (backend.packing);
+    None: 512 on npu (whose operators recompile on new shapes), off elsewhere; 0 or 1: off.
     """
 
     strategy: str = BACKEND
@@ -65,7 +66,8 @@ class McoreEpEngineConfig(EngineConfig):
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
     router_replay: str = "disabled"
     packed: bool = False
-    weight_sync_bucket_mb: float = WEIGHT_SYNC_BUCKET_MB
+    weight_sync_bucket_mb: float = DEFAULT_BUCKET_MB
+    packed_length_step: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +97,11 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 f"weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: give the bucket size "
                 "in MiB (0: gather one tensor at a time)"
+            )
+        if self.packed_length_step is not None and self.packed_length_step < 0:
+            raise EngineConfigError(
+                f"packed_length_step={self.packed_length_step!r}: give a token count "
+                "(e.g. 512), 0 for none, or leave it unset for the device's default"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(

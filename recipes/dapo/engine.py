@@ -33,7 +33,7 @@ import logging
 import os
 import shutil
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -65,7 +65,6 @@ logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
-ROUTE_DTYPE = torch.int32  # recorded routed_experts (R2), as verl's megatron engine returns
 
 
 def _one_temperature(temperature_B: torch.Tensor) -> float:
@@ -293,9 +292,10 @@ class McoreEpEngine(BaseEngine):
 
     def _forward_backward(self, data, loss_function, forward_only: bool):
         self._set_batch_info(data)
-        tp, packed = self.groups.size("tp"), self.engine_config.packed
-        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device, packed)
-        make = batches.packed_micro_batch if packed else batches.micro_batch
+        tp, packed, step = self.groups.size("tp"), self.engine_config.packed, self._ladder
+        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device,
+                                           packed, step)  # fmt: skip
+        make = partial(batches.packed_micro_batch, step=step) if packed else batches.micro_batch
         mbs = [make(data, rows, tp, self._torch_device) for rows in plans]
         if self._tokens_gathered_over_ep:
             mbs = batches.agree_over(mbs, self.groups.ep)
@@ -320,6 +320,13 @@ class McoreEpEngine(BaseEngine):
         return self._assemble(outputs, plans, self.routing.end_step())
 
     @property
+    def _ladder(self) -> int:
+        """The packed-length ladder's step (mcore_ep.packed_length_step; npu: 512)."""
+        from backend.packing import ladder_step
+
+        return ladder_step(self.device, self.engine_config.packed_length_step)
+
+    @property
     def _tokens_gathered_over_ep(self) -> bool:
         """megatron's allgather dispatcher (CPU) with EP: micro-batches must agree in shape."""
         ep = self.groups.size("ep") > 1
@@ -328,6 +335,12 @@ class McoreEpEngine(BaseEngine):
     @property
     def _last_stage(self) -> bool:
         return is_last_stage(self.groups)
+
+    @property
+    def _layers(self) -> range:
+        """The global indices of this pipeline stage's layers."""
+        numbers = [layer.layer_number - 1 for layer in self.module.decoder.layers]
+        return range(numbers[0], numbers[-1] + 1)
 
     def _enter(self, mb, routes: dict) -> None:
         """The router instruments' per-micro-batch state: token mask, routes to force."""
@@ -367,18 +380,21 @@ class McoreEpEngine(BaseEngine):
                 routes_BSLK = self._all_stages_routes(routes_BSLK)
                 if outputs[i] is not None:
                     outputs[i]["model_output"]["routed_experts"] = batches.routes_to_nested(
-                        routes_BSLK.to(ROUTE_DTYPE), p.mbs[i]
+                        routes_BSLK, p.mbs[i]
                     )
         return outputs
 
-    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor:
-        """R2's recorded routes of this stage's layers -> every layer's (gathered over PP)."""
+    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor | None:
+        """R2's recorded routes of this stage's layers (route_dtype: uint8 for <= 256
+        experts) -> every layer's on the last stage, the one whose outputs verl reads
+        (gathered there over PP); None on the other stages."""
         pp = self.groups.size("pp")
         if pp == 1:
             return routes_BSLK
-        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)]
-        dist.all_gather(parts, routes_BSLK.contiguous(), group=self.groups.pp)
-        return torch.cat(parts, dim=2)
+        last = dist.get_global_rank(self.groups.pp, pp - 1)
+        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)] if self._last_stage else None
+        dist.gather(routes_BSLK.contiguous(), parts, dst=last, group=self.groups.pp)
+        return torch.cat(parts, dim=2) if self._last_stage else None
 
     def _micro_batch_result(self, mb, outputs_BS: dict, p: "_Pass"):
         """(result, loss) of a micro-batch on the last stage: verl's loss on its outputs."""
@@ -441,12 +457,13 @@ class McoreEpEngine(BaseEngine):
             return {"record": mode == "R2"}
         recorded = mode == "R2"  # R2's update: our own routes of every token
         routes = batches.micro_batch_routes(
-            mb.data["routed_experts"], mb, self._torch_device, not recorded
-        )
+            mb.data["routed_experts"], mb, self._torch_device, not recorded, self._layers,
+            self.spec.num_experts,
+        )  # fmt: skip
         out = {"replay": routes if mode != "disabled" else None}
         if phase == "old_log_prob":
             counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
-            out["reference"] = type(routes)(routes.experts_BSLK, counted_BS)
+            out["reference"] = replace(routes, use_BS=counted_BS)
         return out
 
     def _old_log_prob_metrics(self, out: dict, data) -> None:

@@ -36,6 +36,9 @@ DAPO = dict(
     test_freq=200,
     rollout_tp=2,
 )
+# mean tokens (prompt + response) of a sample in the seed's DAPO runs on Qwen3-30B-A3B: the
+# route and step sizes the dry run prints assume it
+MEAN_SAMPLE_TOKENS = 4900
 # padded tokens per micro-batch per DP rank: two full-length sequences (2048 + 6144)
 MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"])
 LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
