@@ -71,6 +71,8 @@ class RouterInstruments:
         self.groups, self.replay_mode = groups, replay
         self.monitor = self.hook = None
         self.updates = 0
+        self.trainer_steps = 0  # ended so far (a resumed run starts at its checkpoint's)
+        self.run_name = str(monitor.get("run_name") or "")
         self.pending: dict[str, float] = {}  # old-log-prob metrics, reported with the update
         self.tap = RouterTap(module, groups, replay=replay != "disabled")
         self.agreement = AgreementMeter(spec.num_layers, spec.num_experts)
@@ -114,6 +116,7 @@ class RouterInstruments:
 
     def end_trainer_step(self) -> None:
         """After a trainer step's last update: its old-log-prob counts are spent."""
+        self.trainer_steps += 1
         if self.hook:
             self.hook.drop_old_log_prob_counts()
 
@@ -156,7 +159,9 @@ class RouterInstruments:
         if not self.monitor:
             return {**aux, **extra}
         self.updates += 1
-        return self.monitor.step_end(self.updates, aux_losses=aux, extra=extra)
+        return self.monitor.step_end(
+            self.updates, aux_losses=aux, extra=extra, trainer_step=self.trainer_steps + 1
+        )
 
     def add_warning(self, warning) -> None:
         """A backend.monitor RunWarning (e.g. the comm share's): one log line on the first
@@ -168,7 +173,8 @@ class RouterInstruments:
 
     def write_report(self, path, model: str) -> None:
         if self.monitor:
-            self.monitor.write_report(path, model=model, router_replay=self.replay_mode)
+            self.monitor.write_report(path, model=model, router_replay=self.replay_mode,
+                                      run=self.run_name, trainer_steps=self.trainer_steps)  # fmt: skip
 
 
 def _monitor(spec, groups: ProcessGroups, settings: dict, tap):

@@ -665,7 +665,8 @@ PLANNER = [
         2,
         "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt/__0_0.distcp: bytes "
         "{range} differ from manifest.json: the checkpoint was damaged or changed after it was "
-        "written; restore it from a good copy (the trainer's traceback: {tmp}/run/trainer.log)",
+        "written; restore it from a good copy (the trainer's traceback: {tmp}/run/logs/"
+        "launch_000.log)",
         child=_engine_check,
     ),
 ]

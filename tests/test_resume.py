@@ -1,5 +1,6 @@
 """Resume is safe: nothing in a checkpoint directory runs code, verl's `data.pt` included, and
-a refusal reaches the user as one line with exit 2 (recipes.dapo.resume, trainer_output).
+a refusal reaches the user as one line with exit 2 (recipes.dapo.resume; the launcher's
+console, recipes.dapo.console and tracebacks).
 
 The allow-list for `data.pt` is what genuine ones pickle: saves made here with verl's own
 dataloader pieces (torchdata's StatefulDataLoader, verl's create_rl_sampler and collate_fn);
@@ -18,7 +19,8 @@ import torch
 
 from converters.hf_io import CheckpointError
 from converters.safe_pickle import TORCH_SAVE_ALLOWED, UnsafeCheckpointError
-from recipes.dapo import cluster, resume, trainer_output
+from recipes.dapo import cluster, resume, tracebacks
+from recipes.dapo.console import open_console
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,7 +201,7 @@ def _step_with(tmp_path: Path, marker: Path) -> Path:
 
 def test_resume_with_a_crafted_data_state_stops_in_one_line_before_anything_starts(tmp_path):
     """The whole CLI, as a user runs it: exit 2, one line on stderr, the payload never ran and
-    neither Ray nor verl's trainer was started (no trainer log, no Ray session)."""
+    neither Ray nor verl's trainer was started (no launch log, no Ray session)."""
     marker = tmp_path / "ran"
     run = _step_with(tmp_path, marker)
     from recipes.local.run import prepare
@@ -215,7 +217,7 @@ def test_resume_with_a_crafted_data_state_stops_in_one_line_before_anything_star
         f"error: {run / 'checkpoints/global_step_2/data.pt'} is not verl's dataloader state"
     ), proc.stderr
     assert not marker.exists()
-    assert not (run / trainer_output.LOG_NAME).exists()
+    assert not (run / "logs").exists()
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
@@ -276,60 +278,93 @@ sys.exit(1)
 """
 
 
-def test_a_refusal_in_the_trainer_is_one_line_and_its_traceback_goes_to_the_log(tmp_path, capfd):
-    log = tmp_path / trainer_output.LOG_NAME
+def _console(run: Path, **kwargs):
+    """The launcher's console of a launch into `run` (its log: logs/launch_000.log)."""
+    return open_console(run, 0, kwargs.pop("verbose", False), None, None, **kwargs)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_refusal_in_the_trainer_is_one_line_and_its_traceback_goes_to_the_log(
+    verbose, tmp_path, capfd
+):
+    """The whole stream (--verbose) too holds the refusal's traceback back."""
+    console = _console(tmp_path, verbose=verbose)
     with pytest.raises(CheckpointError) as err:
-        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, log=log)
-    assert str(err.value) == (
+        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
+    log = tmp_path / "logs" / "launch_000.log"
+    assert console.log_path == log and str(err.value) == (
         f"/ckpt/__0_0.distcp: bytes 5-9 differ from manifest.json: restore it "
         f"(the trainer's traceback: {log})"
     )
-    console = capfd.readouterr().err
-    assert "Resuming from" in console  # the child's output before its traceback is shown
-    assert "Traceback" not in console and "Error executing job" not in console
+    out, err = capfd.readouterr()
+    shown = out + err
+    assert ("Resuming from" in shown) == verbose  # the child's output before its traceback
+    for told in ("Traceback", "Error executing job", "ManifestError", "HYDRA_FULL_ERROR"):
+        assert told not in shown, told
+    assert "exited with status" not in shown  # no end of the log: the refusal says it all
+    console.close()
     logged = log.read_text()
     assert "Traceback (most recent call last)" in logged and "ManifestError" in logged
+    assert "Resuming from" in logged and "HYDRA_FULL_ERROR" in logged
 
 
-def test_other_failures_keep_their_traceback_and_status(tmp_path, capfd):
+# 31 frames of distinct functions (a recursion's would be folded by Python's traceback)
+DEEP_CRASH = "".join(f"def f{i}():\n    f{i + 1}()\n" for i in range(30)) + (
+    "def f30():\n    raise RuntimeError('not a checkpoint')\nf0()\n"
+)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_other_failures_keep_their_traceback_and_status(verbose, tmp_path, capfd):
+    """Any other failure: its status, and on the console its output's end with the whole
+    traceback, also one longer than the tail the console otherwise shows."""
     child = "import sys; print('out'); raise SystemExit('boom')"
-    crash = "raise RuntimeError('not a checkpoint')"
-    log = tmp_path / trainer_output.LOG_NAME
-    assert cluster.run_command([sys.executable, "-c", child], {}, log=log) == 1
-    assert cluster.run_command([sys.executable, "-c", crash], {}, log=log) == 1
+    shallow = "raise RuntimeError('not a checkpoint')"
+    for i, code in enumerate((child, shallow, DEEP_CRASH)):
+        console = _console(tmp_path / str(i), verbose=verbose)
+        assert cluster.run_command([sys.executable, "-c", code], {}, console) == 1
+        console.close()
+        assert console.refusal is None
     out, err = capfd.readouterr()
-    assert out == "out\n" and "boom" in err and "RuntimeError: not a checkpoint" in err
-    assert "Traceback" in err and "not a checkpoint" in log.read_text()
+    assert err == "" and out.count("Traceback (most recent call last)") == 2
+    assert "out\n" in out and "boom\n" in out and "RuntimeError: not a checkpoint" in out
+    deep = out[out.rindex("Traceback (most recent call last)") :]
+    assert deep.count(", in f") == 31 and deep.count("\n") > 30  # all of it (tail: 25 lines)
+    for i in range(3):
+        logged = (tmp_path / str(i) / "logs" / "launch_000.log").read_text()
+        assert ("not a checkpoint" in logged) == (i > 0) and ("boom" in logged) == (i == 0)
 
 
 def test_debug_shows_the_refusals_traceback_on_the_console(tmp_path, capfd):
+    console = _console(tmp_path, debug=True)
     with pytest.raises(CheckpointError):
-        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, log=tmp_path / "t.log",
-                            debug=True)  # fmt: skip
-    assert "Traceback (most recent call last)" in capfd.readouterr().err
+        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
+    out = capfd.readouterr().out
+    assert "Traceback (most recent call last)" in out
+    assert "converters.manifest.ManifestError: /ckpt/__0_0.distcp" in out
 
 
-class _Console:
-    """A stderr that notes when a traceback reaches it."""
+class _Screen(io.StringIO):
+    """A console screen that notes when a traceback reaches it."""
 
     def __init__(self, seen: Path):
-        self.seen, self.buffer = seen, self
+        super().__init__()
+        self.seen = seen
 
-    def write(self, raw) -> None:
-        if b"Traceback" in (raw if isinstance(raw, bytes) else raw.encode()):
+    def write(self, text: str) -> int:
+        if "Traceback" in text:
             self.seen.touch()
-
-    def flush(self) -> None:
-        pass
+        return super().write(text)
 
 
 def test_a_traceback_the_child_survives_is_shown_while_it_runs(tmp_path, monkeypatch):
     """A held traceback is shown once the child has outlived it by HOLD_S: the child goes on
     only when its traceback has reached the console."""
     seen = tmp_path / "seen"
-    monkeypatch.setattr(trainer_output, "HOLD_S", 0.0)
-    monkeypatch.setattr(sys, "stderr", _Console(seen))
+    monkeypatch.setattr(tracebacks, "HOLD_S", 0.0)
     monkeypatch.setattr(cluster, "_wait", lambda child: _poll(child, 0.2))
+    console = _console(tmp_path)
+    console.out = _Screen(seen)
     child = (
         "import pathlib, sys, time\n"
         "print('Traceback (most recent call last):', file=sys.stderr, flush=True)\n"
@@ -339,7 +374,8 @@ def test_a_traceback_the_child_survives_is_shown_while_it_runs(tmp_path, monkeyp
         "    time.sleep(0.05)\n"
         "sys.exit(5)\n"
     )
-    assert cluster.run_command([sys.executable, "-c", child], {}, log=tmp_path / "t.log") == 0
+    assert cluster.run_command([sys.executable, "-c", child], {}, console) == 0
+    assert console.out.getvalue().count("Traceback (most recent call last):") == 1
 
 
 def _poll(child, poll_s):
@@ -350,7 +386,7 @@ def _poll(child, poll_s):
 
 
 def test_refusal_names_cover_every_checkpoint_error():
-    names = trainer_output.refusal_classes()
+    names = tracebacks.refusal_classes()
     for name in ("converters.hf_io.CheckpointError", "converters.manifest.ManifestError",
                  "converters.safe_pickle.UnsafeCheckpointError"):  # fmt: skip
         assert name in names

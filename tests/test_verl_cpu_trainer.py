@@ -8,6 +8,7 @@ A few steps each; the learning curve itself is measured by the main command (REA
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,10 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
+# console lines besides the step lines: start-up warnings once each, their counts, alarms,
+# summary (the 35-step main job: 35 step lines + these, under 300)
+CONSOLE_FIXED = 100
+STEP_ROW = re.compile(r"^\[[#.]{20}\] +(\d+)/(\d+) \| ")
 
 
 def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -71,6 +76,27 @@ def test_monitor_and_aux_loss_act_inside_verls_update(run3):
     assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
     report = json.loads((run3[0] / "routing_report.json").read_text())
     assert report["steps"], "the routing report holds the run's steps"
+    # its step axis is verl's: 4 updates (mini-batches) in each of the 3 trainer steps
+    assert [s["trainer_step"] for s in report["steps"]] == [1] * 4 + [2] * 4 + [3] * 4
+    assert report["meta"]["run"] == "tiny-qwen3-moe-cpu-tp1-ep1"
+    assert report["meta"]["trainer_steps"] == 3
+
+
+def test_the_console_shows_a_line_per_step_and_the_summary_last(run3):
+    """Everything verl, Ray and the workers print is in the run's log; the console has a line
+    per step, each warning once, and the summary last (the 35-step run: under 300 lines)."""
+    out, proc = run3
+    lines = proc.stdout.splitlines()
+    steps = [m.groups() for line in lines if (m := STEP_ROW.match(line))]
+    assert steps == [("1", "3"), ("2", "3"), ("3", "3")]
+    assert len(lines) - len(steps) <= CONSOLE_FIXED and 35 + CONSOLE_FIXED < 300
+    assert lines[-1].startswith("wall time: ") and "alarms: none" in lines
+    log = out / "logs" / "launch_000.log"
+    assert f"log: {log}" in lines
+    logged = log.read_text()
+    assert re.search(r"step:3 - .*actor/entropy:", logged)  # verl's own step line, in full
+    assert "target_num_threads" not in logged  # TQ_NUM_THREADS fits the machine's cores
+    assert len(logged.splitlines()) > 10 * len(lines)
 
 
 def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
@@ -120,7 +146,7 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
     proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
     assert proc.returncode == 0
-    assert "Resuming from" in proc.stdout + proc.stderr
+    assert "Resuming from" in (out / "logs" / "launch_001.log").read_text()
     assert (
         f"resuming from {out / 'checkpoints/global_step_2'}, the newest complete checkpoint: "
         f"{half} was not completely written" in proc.stdout
@@ -154,7 +180,7 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
     the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
     driver that reaches the user as the engine's one line and exit 2, the traceback only in
-    the run's trainer.log. The relaunch ends at verl's checkpoint load, before any step."""
+    the launch's log. The relaunch ends at verl's checkpoint load, before any step."""
     out = resumable_copy(run3[0], tmp_path / "damaged")
     model = out / "checkpoints" / "global_step_2" / "actor" / "model" / "dist_ckpt"
     chunks = json.loads((model / "manifest.json").read_text())["files"]["__0_0.distcp"]
@@ -164,14 +190,16 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     (model / "__0_0.distcp").write_bytes(bytes(raw))
     proc = launch(out, "--resume", "--steps", "3")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    log = out / "logs" / "launch_000.log"  # the relaunch's own (no metrics launched before)
+    assert proc.stderr == (
         f"error: {model / '__0_0.distcp'}: bytes {offset}-{offset + length} differ from "
         "manifest.json: the checkpoint was damaged or changed after it was written; restore it "
-        f"from a good copy (the trainer's traceback: {out / 'trainer.log'})"
+        f"from a good copy (the trainer's traceback: {log})\n"
     )
-    assert "Traceback" not in proc.stderr
-    log = (out / "trainer.log").read_text()
-    assert "RayTaskError(CheckpointError)" in log and "Traceback (most recent call last)" in log
+    assert "Traceback" not in proc.stdout and "exited with status" not in proc.stdout
+    logged = log.read_text()
+    assert "RayTaskError(CheckpointError)" in logged
+    assert "Traceback (most recent call last)" in logged
 
 
 @pytest.mark.trainer_flow

@@ -26,17 +26,8 @@ from recipes.dapo.overrides import AUX_LOSS
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 
 
-def build_engine(
-    hf_dir,
-    aux_loss=None,
-    tp=1,
-    ep=1,
-    recompute=False,
-    fast=False,
-    checkpoint_config=None,
-    optimizer_config=None,
-    **config,
-):
+def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False, lr=1e-3,
+                 checkpoint_config=None, optimizer_config=None, **config):  # fmt: skip
     """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -59,7 +50,7 @@ def build_engine(
             **config,  # e.g. param_offload, optimizer_offload
         ),
         optimizer_config=optimizer_config
-        or FSDPOptimizerConfig(lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0),
+        or FSDPOptimizerConfig(lr=lr, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0),
         checkpoint_config=checkpoint_config or CheckpointConfig(),
     )
     engine.initialize()
@@ -515,6 +506,8 @@ def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, c
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
+    # one CPU rank: no "keep EP and TP inside a node" (backend.timing.CommLayout)
+    assert "one rank, no collective" in warning["text"] and "inside a node" not in warning["text"]
 
 
 def test_compute_after_an_explicit_offload_without_offload_configured(make_engine):

@@ -12,6 +12,7 @@ from typing import Any
 from verl.workers.config import ActorConfig, FSDPActorConfig
 from verl.workers.config.engine import EngineConfig
 
+from backend.guards import GuardSettings
 from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
 from parallel.weight_sync import DEFAULT_BUCKET_MB
@@ -48,6 +49,8 @@ class McoreEpEngineConfig(EngineConfig):
     packed_length_step: with packed, every micro-batch's packed total is rounded up to a
     multiple of this many tokens, so a run sees a bounded set of shapes (backend.packing);
     None: 512 on npu (whose operators recompile on new shapes), off elsewhere; 0 or 1: off.
+    guards: the opt-in entropy floor and adaptive KL coefficient, off by default
+    (backend.guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
     """
 
     strategy: str = BACKEND
@@ -68,6 +71,7 @@ class McoreEpEngineConfig(EngineConfig):
     packed: bool = False
     weight_sync_bucket_mb: float = DEFAULT_BUCKET_MB
     packed_length_step: int | None = None
+    guards: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +107,10 @@ class McoreEpEngineConfig(EngineConfig):
                 f"packed_length_step={self.packed_length_step!r}: give a token count "
                 "(e.g. 512), 0 for none, or leave it unset for the device's default"
             )
+        try:
+            GuardSettings.from_dict(self.guards)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(
                 f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"

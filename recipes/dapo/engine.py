@@ -22,6 +22,9 @@ BaseEngine calls verl's workers make map onto our code:
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
+  guards              recipes.dapo.guards (mcore_ep.guards, off by default): the entropy floor's
+                      bonus and the adaptive KL term added to verl's loss, coefficients per
+                      optimizer step as guard/* metrics
   timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
                       forward_backward, grad_reduce, optimizer; between steps, counted in the
                       next one: weight_sync, offload, onload, old_log_prob. The last
@@ -54,11 +57,13 @@ from backend.timing import (
     MoEDispatchTimer,
     StepTimer,
     add_steps,
+    comm_layout,
     comm_share_warning,
     max_over_ranks,
 )
 from recipes.dapo import batches, saving, weights
 from recipes.dapo.config import BACKEND
+from recipes.dapo.guards import EngineGuards
 from recipes.dapo.heads import head_from_hidden
 
 logger = logging.getLogger(__name__)
@@ -165,6 +170,8 @@ class McoreEpEngine(BaseEngine):
         self.timer, self.dispatch_timer = StepTimer(enabled=False), None
         self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
+        self._layout = None  # backend.timing.CommLayout, once timing is on
+        self.guards = EngineGuards(None)  # the opt-in loss guards (mcore_ep.guards)
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -193,6 +200,7 @@ class McoreEpEngine(BaseEngine):
         if c.forward_only:
             self.model = self.module
         else:
+            self.guards = EngineGuards(dict(c.guards))
             settings = OptimSettings.from_verl(self.optimizer_config)
             self.optim = make_optimizer(self.module, self.groups, settings)
             self.model = self.optim.model
@@ -210,6 +218,8 @@ class McoreEpEngine(BaseEngine):
         c = self.engine_config
         on = c.timing and not c.forward_only
         self.timer = StepTimer(self._torch_device, enabled=on)
+        if on:  # the comm-share warning's advice: nodes spanned or not
+            self._layout = comm_layout(self.groups)
         if on and c.timing_dispatch:
             self.dispatch_timer = MoEDispatchTimer(self.module, self.timer)
 
@@ -303,6 +313,7 @@ class McoreEpEngine(BaseEngine):
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
+        entropy |= not forward_only and self.guards.needs_entropy  # the entropy floor's bonus
         this_pass = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
         if forward_only:
             with self.routing.phase(phase):
@@ -410,6 +421,8 @@ class McoreEpEngine(BaseEngine):
         loss, metrics = p.loss_function(
             model_output=model_output, data=mb.data, dp_group=self.groups.dp
         )
+        if not p.forward_only and self.guards.on:  # verl's loss as it is, then the guards'
+            loss = loss + self.guards.loss(model_output, mb.data, metrics)
         result.update(loss=float(loss.detach()), metrics=metrics)
         return result, loss
 
@@ -537,6 +550,8 @@ class McoreEpEngine(BaseEngine):
         self.writer.poll()  # a save written in the background: sealed once every rank is done
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
+        guarded = self.guards.end_step(self.groups.dp, self._torch_device)
+        outputs["metrics"].update({k: [v] for k, v in guarded.items()})
         self._timing = add_steps(self._timing, self.timer.step_end())
         if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
             self.routing.end_trainer_step()
@@ -563,7 +578,7 @@ class McoreEpEngine(BaseEngine):
         step, last = self.timer.steps, self._comm_warned_at
         if last is not None and step - last < COMM_WARN_EVERY:
             return
-        warning = comm_share_warning(step, metrics)
+        warning = comm_share_warning(step, metrics, layout=self._layout)
         if warning is not None:
             self._comm_warned_at = step
             self.routing.add_warning(warning)
@@ -673,6 +688,7 @@ class McoreEpEngine(BaseEngine):
             grad=False,
         )
         weights.load_model(self.module, root / weights.MODEL_DIR)
+        self.routing.trainer_steps = int(meta.get("global_step", 0))  # the report's step axis
         if self.optim:
             self.optim.reload_model_params()
         if with_optim:

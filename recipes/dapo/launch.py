@@ -6,13 +6,16 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster.
 Local run (no accelerator, or --device cpu): the embedded CPU recipe.
 Everything after `--` passes through as verl overrides (or local-run flags).
+Console (recipes.dapo.console): the child's whole output goes to <run>/logs/launch_NNN.log;
+the screen shows a line per trainer step, each distinct warning once, the run-health
+alarms and the summary (`--verbose`: every line, as verl prints them).
 
 Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse, a missing file or
 a checkpoint refused on resume (one line naming it and the fix; the launcher's own checks run
 before anything starts, the engine's refusal comes back from the training child with its
-traceback in the run's trainer.log; --debug shows the tracebacks), the training child's own
-status otherwise (SIGINT / SIGTERM are passed on to it and it is waited for: 130 / 143 when
-it ends by them).
+traceback in the launch's log; --debug shows the tracebacks on the console: the launcher's and
+that one), the training child's own status otherwise (SIGINT / SIGTERM are passed on to it
+and it is waited for: 130 / 143 when it ends by them).
 """
 
 import argparse
@@ -23,16 +26,7 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import (
-    BACKEND,
-    check_actor_cp,
-    cluster,
-    data,
-    overrides,
-    resume,
-    stack,
-    trainer_output,
-)
+from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, resume, stack
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -82,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPORT",
         help="routing report of an earlier run: the EP skew the memory check assumes",
     )
-    p.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="tracebacks on the console: the launcher's, and the trainer's for a refused checkpoint",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of verl, Ray and the workers (they always go to the run's log)",
+    )
     local = p.add_argument_group(
         "local run (CPU only; a cluster run takes verl overrides after --)"
     )
@@ -119,6 +122,7 @@ class Resolved:
             lines += self._layout_and_warnings()
             lines += ["traffic besides forward and backward (parallel/):"]
             lines += [f"  {line}" for line in self._traffic_lines()]
+        lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
         lines += replay_lines(self.groups, run.device)
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
@@ -164,12 +168,7 @@ class Resolved:
 
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
-    "npu": (
-        "vLLM >= 0.22 with a vllm-ascend built for it; the npu set's vllm 0.11.0 + "
-        "vllm-ascend 0.11.0rc1 (what fits torch 2.7.1) return no routed_experts, so on A2 "
-        "use R2 or disabled until a vllm-ascend for vLLM >= 0.22 fits the image "
-        "(check vllm-ascend's release notes)"
-    ),
+    "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
     "cpu": "the CPU rollout returns them",
 }
 
@@ -303,6 +302,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
     check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
+    groups = overrides.name_the_run(groups)
     return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, skew))
 
 
@@ -362,6 +362,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
+    groups = overrides.name_the_run(groups)
     return Resolved(run, None, groups, replaced), out, hf_dir
 
 
@@ -369,7 +370,8 @@ def _start_over(out: Path) -> None:
     """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
     import shutil
 
-    old = [out / p for p in ("checkpoints", "metrics", "tensorboard", trainer_output.LOG_NAME)]
+    old = [out / "checkpoints", out / "metrics", out / "tensorboard", out / "logs",
+           out / "alarms.jsonl"]  # fmt: skip
     if any(p.exists() for p in old):
         print(f"starting over in {out} (add --resume to continue the run there)")
         for p in old:
@@ -381,24 +383,45 @@ def run(args, extra: list[str]) -> int:
     if device == "cpu":
         t0 = time.perf_counter()
         resolved, out, hf_dir = resolve_local(args, extra)
-        print(resolved.describe())
         if args.dry_run:
+            print(resolved.describe())
             return 0
         from recipes.local.run import run as run_local
 
-        settle_resume(resolved.groups)
-        return run_local(resolved, out, hf_dir, t0, debug=args.debug)
+        settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
+        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug)
     resolved = resolve(args, device, extra)
-    print(resolved.describe())
     if args.dry_run:
+        print(resolved.describe())
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
     settle_resume(resolved.groups)
     if device == "npu":
         cluster.raise_open_files()
     cluster.check_ray(device, resolved.run.plan.world)
-    log = Path(resolved.run.ckpt_dir) / trainer_output.LOG_NAME
-    return cluster.run_command(resolved.command, resolved.run.env, log=log, debug=args.debug)
+    return run_cluster(resolved, args.verbose, args.debug)
+
+
+def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False) -> int:
+    """verl's entry point through the console; then the routing report with the alarms. A
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster)."""
+    from recipes.dapo.console import next_index, open_console
+    from recipes.dapo.health import latest_actor_checkpoint, routing_report
+
+    run_dir = Path(resolved.run.ckpt_dir)
+    console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
+                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug)  # fmt: skip
+    try:
+        console.header(resolved.describe())
+        code = cluster.run_command(resolved.command, resolved.run.env, console)
+        actor = latest_actor_checkpoint(run_dir) if code == 0 else None
+        with console.capture():
+            written = routing_report(actor / "moe_report.json", run_dir) if actor else {}
+    finally:
+        console.close()
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    return code
 
 
 def settle_resume(groups: dict[str, dict]) -> None:

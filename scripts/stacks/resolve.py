@@ -1,7 +1,9 @@
 """Resolve each target's package set with pip's resolver, without installing anything.
 
-    python scripts/stacks/resolve.py check [cpu cuda npu]   # CI: every set resolves to its lock
-    python scripts/stacks/resolve.py lock [cpu cuda npu]    # rewrite <target>.lock from <target>.in
+    python scripts/stacks/resolve.py check [TARGET...]   # CI: every set resolves to its lock
+    python scripts/stacks/resolve.py lock [TARGET...]    # rewrite <target>.lock from <target>.in
+
+(targets: cpu, cuda, npu, npu-cann851; all of them by default)
 
 Inputs of a target: pyproject's dependencies (ranges) + scripts/stacks/<target>.in (the pins that
 define the stack). Each (Python, machine) the target runs on is resolved with
@@ -18,8 +20,8 @@ or Ascend images carry. `check` fails when pip downloads more than MAX_DOWNLOAD_
 pip evaluates environment markers for the interpreter it runs in, not for --python-version /
 --platform: each resolution runs pip under that Python version (a venv in .cache/resolve/), and
 machine markers are those of this x86_64 host (e.g. xgrammar's x86_64-only triton lands in the
-npu lock; bootstrap skips it on Ascend). Packages only on git (MindSpeed, vllm, vllm-ascend) are
-not resolved themselves: their declared requirements (npu-git-requires.txt) are.
+npu locks; bootstrap skips it on Ascend). Packages only on git (MindSpeed, vllm, vllm-ascend) are
+not resolved themselves: their declared requirements (<target>-git-requires.txt) are.
 """
 
 import json
@@ -79,6 +81,20 @@ TARGETS = {
         stubs=(
             ("antlr4-python3-runtime", ()),
             ("megatron-core", ("torch", "numpy", "packaging")),
+        ),
+    ),
+    # the x86_64 build of vllm-ascend 0.18.0 has a known issue until CANN 9.0.0: aarch64 only
+    "npu-cann851": Target(
+        ("3.10", "3.11"),
+        ("aarch64",),
+        base=("torch",),
+        stubs=(
+            ("antlr4-python3-runtime", ()),
+            ("arctic-inference", ()),  # 0.1.1: sdist only, no requirements
+            # the image's, not on PyPI (vllm-ascend's own wheels); torch_npu declares what PyPI's
+            # 2.9.0 and 2.9.0.post2 declare
+            ("torch-npu", ("torch==2.9.0",)),
+            ("triton-ascend", ()),
         ),
     ),
 }
