@@ -45,7 +45,13 @@ def _async(**checkpoint):
 
 
 def _state(engine) -> tuple[dict, list[dict]]:
+    """Parameters and Adam state as they are now (offloaded parameters loaded to be read)."""
+    offloaded = engine.optim.is_offloaded()
+    if offloaded:
+        engine.onload(model=True, optimizer=False, grad=False)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if offloaded:
+        engine.offload(model=True, optimizer=False)
     return params, _adam_state(engine)
 
 
@@ -60,7 +66,11 @@ def _assert_state(engine, state) -> None:
 def test_the_step_goes_on_and_the_checkpoint_holds_the_saves_moment(
     make_engine, slow_writer, tmp_path
 ):
-    engine = make_engine(checkpoint_config=_async(), optimizer_offload=True)
+    """Parameters and optimizer state offloaded, as in the shipped plans: the save returns
+    before its write starts, offloads the parameters (freeing what the plan found them in)
+    and the next step changes the host-resident Adam moments in place; the checkpoint still
+    holds both as they were at the save."""
+    engine = make_engine(checkpoint_config=_async(), param_offload=True, optimizer_offload=True)
     _train_step(engine, seed=0)
     at_save = _state(engine)
     root = tmp_path / "global_step_1" / "actor"
@@ -70,6 +80,7 @@ def test_the_step_goes_on_and_the_checkpoint_holds_the_saves_moment(
     model, optim = root / weights.MODEL_DIR, root / weights.OPTIM_STATE
     assert not (model / ".metadata").exists() and not weights.is_complete(root)
     assert not (tmp_path / resume.TRACKER).exists()
+    assert engine.optim.is_offloaded()  # the parameters' storage given back meanwhile
     _train_step(engine, seed=1)  # the optimizer state (on the host) changes in place meanwhile
     assert engine.writer.pending is not None  # still writing: the step did not wait for it
     at = at_save[1], _state(engine)[1]

@@ -11,6 +11,8 @@ from functools import partial
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tests.test_verl_engine import build_engine, make_batch
 
@@ -176,6 +178,46 @@ def test_r3_routes_every_fed_token_as_the_rollout(
         assert checked > 0 and wrong == 0, f"{phase}: {wrong} of {checked} tokens off the rollout"
     assert (result["update"][2] > 0) == recompute  # recompute's replays were checked too
     assert result["given"] == {(0, LAYERS, torch.uint8)}
+
+
+WIDER_THAN_UINT8 = (torch.int16, torch.int32, torch.int64)
+
+
+class WidenedRoutes(TorchDispatchMode):
+    """Records every op whose output is an integer tensor wider than uint8 shaped like routes
+    ([..., L, K]): a copy of the routes in a wider dtype. The routers' own [T, K] index of one
+    layer (int64: torch's gather and scatter take no other) is not route-shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            wide = isinstance(t, torch.Tensor) and t.dtype in WIDER_THAN_UINT8
+            if wide and t.dim() >= 2 and tuple(t.shape[-2:]) == (LAYERS, K):
+                self.seen.append(f"{func} -> {t.dtype} {tuple(t.shape)}")
+        return out
+
+
+def test_vllms_uint8_routes_are_never_copied_wider(engine_of):
+    """vLLM's routed_experts (uint8, [prompt + response - 1, L, K] a row) through the R3
+    old-log-prob pass and update: from verl's batch to the routers, no copy of them in a
+    wider dtype."""
+    engine = engine_of(router_replay="R3")
+    data = marked_batch(max_tokens=16)
+    data["routed_experts"] = rollout_routes(data, "vllm")
+    with WidenedRoutes() as mode:
+        with engine.eval_mode():
+            engine.infer_batch(data)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            engine.forward_backward_batch(data, sum_loss)
+    assert mode.seen == []
+    with WidenedRoutes() as mode:  # the check itself sees a widening copy
+        data["routed_experts"].to(torch.int32)
+    assert mode.seen
 
 
 def test_routes_of_another_model_are_refused_in_one_line(engine_of):

@@ -638,12 +638,14 @@ class McoreEpEngine(BaseEngine):
             self.writer.write("optim", self.optim.sharded_for_save(), state_dir, in_background)
             if rank == 0:
                 self.optim.write_schedule(root / weights.OPTIM_DIR)
-            self.offload(model=False, optimizer=self.is_optimizer_offload_enabled)
-        self.offload(model=self.is_param_offload_enabled, optimizer=False)
         dirs = [model_dir] + ([root / weights.OPTIM_STATE] if with_optim else [])
         tracker = saving.tracker_of(root) if self._async_save else None
         sealed = partial(self._sealed, keep=max_ckpt_to_keep)
         self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
+        # offloaded only once the writer has its copy: the pending write reads the shards
+        # where the plan found them, and a param offload frees that device (or host) storage
+        optimizer = with_optim and self.is_optimizer_offload_enabled
+        self.offload(model=self.is_param_offload_enabled, optimizer=optimizer)
         if not in_background:
             self.writer.finish()
 

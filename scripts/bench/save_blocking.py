@@ -74,10 +74,15 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
 def run(args) -> dict:
     from backend.device import prepare_device
     from backend.distributed import init_parallel
-    from recipes.local.tiny_model import make_tiny_checkpoint
 
     init_parallel(prepare_device("cpu"), seed=0)
-    work = Path(tempfile.mkdtemp(prefix="save_bench_"))
+    with tempfile.TemporaryDirectory(prefix="save_bench_") as work:
+        return _run(args, Path(work))
+
+
+def _run(args, work: Path) -> dict:
+    from recipes.local.tiny_model import make_tiny_checkpoint
+
     shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                  moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers,
                  num_experts=args.experts)  # fmt: skip
@@ -94,7 +99,7 @@ def run(args) -> dict:
     median = {m: statistics.median(r["blocked_s"] for r in rs) for m, rs in saves.items()}
     # a background save's plan_s is its planning alone (in place, it includes the writing)
     cached_plan = statistics.median(r["plan_s"] for r in saves["background"])
-    return {
+    doc = {
         "settings": vars(args) | {"params": sum(p.numel() for p in engine.module.parameters())},
         "checkpoint_bytes": saves["in_place"][-1]["bytes"],
         "saves": saves,
@@ -102,6 +107,8 @@ def run(args) -> dict:
         "ratio": median["background"] / median["in_place"],
         "plan_s": {"first": first["plan_s"], "cached": cached_plan},
     }
+    engine.writer.close()
+    return doc
 
 
 def main(argv=None) -> int:

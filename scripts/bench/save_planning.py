@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def join_as(rank: int, world: int, tp: int, ep: int) -> None:
+def join_as(rank: int, world: int, tp: int, ep: int, etp: int = 1) -> None:
     """This process as `rank` of a fake world, megatron-core's groups built for the plan."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -43,6 +43,7 @@ def join_as(rank: int, world: int, tp: int, ep: int) -> None:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=False)  # fmt: skip
 
 
@@ -95,11 +96,13 @@ def measure(args) -> dict:
     spec = load_spec(None) if args.model == "full" else _tiny_spec(TINY_QWEN3_MOE)
     metadata, plans, build_s = [None] * args.world, [None] * args.world, 0.0
     for rank in reversed(range(args.world)):  # rank 0 last: its model stays for the timing
-        join_as(rank, args.world, args.tp, args.ep)
+        join_as(rank, args.world, args.tp, args.ep, args.etp)
         start = time.perf_counter()
         model = meta_model(spec)
         build_s = time.perf_counter() - start
         _, metadata[rank], plans[rank], local_plan_s = rank_plan(model)
+        print(f"rank {rank}: built in {build_s:.1f} s, planned in {local_plan_s:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
     uncached, cached = [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
                         help="full: Qwen3-30B-A3B; tiny: the CPU run's model")  # fmt: skip
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--ep", type=int, default=8)
-    parser.add_argument("--world", type=int, default=32, help="ranks (tp x dp = ep x edp)")
+    parser.add_argument("--etp", type=int, default=1)
+    parser.add_argument("--world", type=int, default=32, help="ranks (tp x dp = etp x ep x edp)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
