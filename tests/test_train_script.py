@@ -419,17 +419,57 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
-    for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu",
+    for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=vllm",
                      "trainer.total_training_steps=3", "trainer.use_v1=true",
                      "algorithm.filter_groups.enable=true",
                      "actor_rollout_ref.actor.strategy=mcore_ep"):  # fmt: skip
         assert override in cmd, override
     assert env["VERL_PLATFORM"] == "cpu"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform,recipes.local.rollout"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform"
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"head_dim": 24}, "head_dim 24 is not a head size vLLM's CPU attention supports"),
+        ({"hidden_size": 48}, "hidden_size 48 is not a multiple of 32"),
+        ({"moe_intermediate_size": 48}, "moe_intermediate_size / rollout TP = 48"),
+        ({"vocab_size": 40}, "the tokenizer has 32 tokens for vocab_size 40"),
+    ],
+    ids=["head_dim", "hidden", "moe_slice", "tokenizer"],
+)
+def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
+    monkeypatch, tmp_path, capsys, change, message
+):
+    """The local run serves its model with vLLM's CPU backend: a model (here through
+    actor_rollout_ref.model.path) it cannot serve is refused before Ray, one line, exit 2."""
+    import json
+    import shutil
+
+    from recipes.local import run as local_run
+
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(cluster, "run_command", lambda *a, **k: pytest.fail("started"))
+    hf_dir, _ = local_run.prepare(tmp_path / "run")
+    capsys.readouterr()
+    user = tmp_path / "user_model"
+    shutil.copytree(hf_dir, user)
+    config = json.loads((user / "config.json").read_text())
+    (user / "config.json").write_text(json.dumps({**config, **change}))
+    argv = ["--ckpt-dir", str(tmp_path / "run"), "--", f"actor_rollout_ref.model.path={user}"]
+    _fails_with_one_line(capsys, argv, message)
+
+
+def test_the_cpu_head_sizes_are_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from recipes.local.cpu_limits import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
 
 
 def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 `python -m recipes.dapo.launch --device cpu` (what `bash scripts/train_mcore.sh` runs without
 an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic sampling,
-our mcore_ep engine with megatron-core's distributed optimizer, the CPU rollout fed only by
+our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
+build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
 verl's weight sync, the dapo reward manager, checkpoints in verl's layout and resume_mode=auto.
 A few steps each; the learning curve itself is measured by the main command (README).
 """
@@ -18,7 +19,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
+SYNC_TOLERANCE = 1e-4  # rollout (vLLM) vs actor (megatron-core) log-probs, fp32
+FP32_ROLLOUT = "actor_rollout_ref.rollout.dtype=float32"
 # console lines besides the step lines: start-up warnings once each, their counts, alarms,
 # summary (the 35-step main job: 35 step lines + these, under 300)
 CONSOLE_FIXED = 100
@@ -27,7 +29,8 @@ STEP_ROW = re.compile(r"^\[[#.]{20}\] +(\d+)/(\d+) \| ")
 
 def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ckpt-dir", str(out),
-           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", *overrides]  # fmt: skip
+           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
+           *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-5000:])

@@ -217,6 +217,24 @@ def test_dapo_loss_and_gradients_match_transformers(
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_rollout_correction_weights_reach_verls_loss(make_engine):
+    """verl's rollout correction (TIS / IcePop: algorithm.rollout_correction) hands the actor
+    per-token `rollout_is_weights`; they reach verl's loss through the engine's micro-batches
+    (mutation: a micro-batch without the key trains as if uncorrected). On policy the ratio
+    is 1, so the loss is the token-mean of -advantage x weight."""
+    engine, data = make_engine(), make_batch()
+    _on_policy(engine, data)
+    advantages = data["advantages"]
+    weights = advantages.values().new_empty(advantages.values().shape).uniform_(0.5, 1.5)
+    data["rollout_is_weights"] = torch.nested.nested_tensor_from_jagged(
+        weights, advantages.offsets()
+    )
+    out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+    expected = -(advantages.values() * weights).mean().item()
+    assert sum(out["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(-advantages.values().mean().item(), rel=1e-3)
+
+
 def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
     engine, data = make_engine(), make_batch()
     _on_policy(engine, data)

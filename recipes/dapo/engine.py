@@ -440,8 +440,9 @@ class McoreEpEngine(BaseEngine):
         fed to its model: prompt and response but each row's last). R2: the old-log-prob pass
         records the router's own routes (returned as `routed_experts`, which verl's trainer
         hands back to the update), the update forces them. Padding keeps the router's own
-        choice. The rollout's routes are the reference of the agreement metric, on response
-        tokens, in the old-log-prob pass (the rollout's weights); never in the ref pass."""
+        choice. The rollout's routes are the reference, on response tokens, of the agreement
+        metric (old-log-prob pass: the rollout's weights) and of the update's route match
+        (the experts the update used); never in the ref pass."""
         mode, keys = self.engine_config.router_replay, mb.data.keys()
         if phase == "ref":
             return {}
@@ -474,7 +475,7 @@ class McoreEpEngine(BaseEngine):
             self.spec.num_experts,
         )  # fmt: skip
         out = {"replay": routes if mode != "disabled" else None}
-        if phase == "old_log_prob":
+        if not recorded:  # the rollout's routes: agreement (old log-probs), route match (update)
             counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
             out["reference"] = replace(routes, use_BS=counted_BS)
         return out

@@ -169,7 +169,10 @@ class Resolved:
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
     "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
-    "cpu": "the CPU rollout returns them",
+    "cpu": (
+        "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE "
+        "kernel's experts)"
+    ),
 }
 
 
@@ -363,7 +366,18 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
     groups = overrides.name_the_run(groups)
+    _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
     return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _check_cpu_rollout_model(model: Path) -> None:
+    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
+    from recipes.local.cpu_limits import problems
+    from recipes.local.overrides import ROLLOUT_TP
+
+    found = problems(model, ROLLOUT_TP)
+    if found:
+        raise LaunchError(found[0])
 
 
 def _start_over(out: Path) -> None:

