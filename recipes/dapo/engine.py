@@ -643,8 +643,9 @@ class McoreEpEngine(BaseEngine):
         tracker = saving.tracker_of(root) if self._async_save else None
         sealed = partial(self._sealed, keep=max_ckpt_to_keep)
         self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
-        # offloaded only once the writer has its copy: the pending write reads the shards
-        # where the plan found them, and a param offload frees that device (or host) storage
+        # offloaded only once the writer has its copy: until then the plan's write items are
+        # views of the device shards (copied to the host when the writer starts), whose
+        # storage a param offload frees
         optimizer = with_optim and self.is_optimizer_offload_enabled
         self.offload(model=self.is_param_offload_enabled, optimizer=optimizer)
         if not in_background:

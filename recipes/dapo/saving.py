@@ -23,8 +23,9 @@ copied to host buffers of their own before the writer starts (megatron-core's pr
 and the writer is a fork, whose view of host memory is a copy-on-write snapshot taken when it
 starts. Host-resident state (the optimizer state under offload, everything on CPU) is thus
 written as it was at the save, whatever the parent does next (tests/test_async_save.py).
-The plan's write items are views of the live shards, so the engine offloads (verl's param
-offload frees their storage) only after `commit` has started the writer.
+Device shards are planned as views and copied only when the writer starts (megatron-core
+clones CPU views at planning), so the engine offloads (verl's param offload frees that
+storage) only after `commit` has started the writer.
 A writer sharing the trainer's memory (a thread; megatron-core's PersistentAsyncCaller, whose
 torch.multiprocessing queue shares host tensors) would read them live instead: not used.
 """
