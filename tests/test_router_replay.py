@@ -185,8 +185,9 @@ WIDER_THAN_UINT8 = (torch.int16, torch.int32, torch.int64)
 
 class WidenedRoutes(TorchDispatchMode):
     """Records every op whose output is an integer tensor wider than uint8 shaped like routes
-    ([..., L, K]): a copy of the routes in a wider dtype. The routers' own [T, K] index of one
-    layer (int64: torch's gather and scatter take no other) is not route-shaped."""
+    ([T, L, K] or [B, S, L, K]): a copy of the routes in a wider dtype. The routers' own
+    [T, K] index of one layer (int64: torch's gather and scatter take no other) and the
+    meters' [2, L] counts are not route-shaped."""
 
     def __init__(self):
         super().__init__()
@@ -196,7 +197,7 @@ class WidenedRoutes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             wide = isinstance(t, torch.Tensor) and t.dtype in WIDER_THAN_UINT8
-            if wide and t.dim() >= 2 and tuple(t.shape[-2:]) == (LAYERS, K):
+            if wide and t.dim() >= 3 and tuple(t.shape[-2:]) == (LAYERS, K):
                 self.seen.append(f"{func} -> {t.dtype} {tuple(t.shape)}")
         return out
 
