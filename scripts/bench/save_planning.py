@@ -126,7 +126,7 @@ def measure(args) -> dict:
     parts = dict(sharded_state_dict_s=sharded_s, sharding_check_s=check_s,
                  local_plan_s=local_plan_s, global_plan_s=global_s)  # fmt: skip
     return {
-        "settings": vars(args),
+        "settings": dict(vars(args)),
         "rank0_entries": len(metadata[0]),
         "all_ranks_entries": sum(len(m) for m in metadata),
         "meta_build_s": build_s,
