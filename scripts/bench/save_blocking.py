@@ -7,7 +7,8 @@ each (the save plan is cached in both):
 - in place: save_checkpoint returns once the files are written, hashed and sealed;
 - background: save_checkpoint returns once the writer has started, and the step then polls
   the writer (as each train_batch does) until the save is sealed; the blocked time is the
-  call plus those polls. Between polls the bench sleeps --step-s (the step's own work).
+  call plus those polls. Between polls the bench sleeps --step-s (the step's own work, 1 s:
+  far shorter than a real step, so a save here takes more polls than on the cluster).
 Prints one JSON document: per mode the median blocked seconds, the checkpoint's bytes, the
 ratio background / in place (target <= 0.2), and the planning time (dist_checkpointing.save
 until its request is returned, model and optimizer state) of the first save (a new plan)
@@ -58,17 +59,18 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
     engine.checkpoint_config = CheckpointConfig(async_save=background)
     start = time.perf_counter()
     engine.save_checkpoint(str(root / f"global_step_{step}" / "actor"), global_step=step)
-    blocked, polls = time.perf_counter() - start, 0
+    call_s, polls, poll_s = time.perf_counter() - start, 0, 0.0
     plan_s = sum(engine.writer.plans.plan_s.values())  # model + optimizer state
     while engine.writer.pending is not None:
         time.sleep(step_s)
         start = time.perf_counter()
         engine.writer.poll()
-        blocked, polls = blocked + time.perf_counter() - start, polls + 1
+        polls, poll_s = polls + 1, poll_s + time.perf_counter() - start
     actor = root / f"global_step_{step}" / "actor"
     assert weights.is_complete(actor), actor
     size = sum(p.stat().st_size for p in actor.rglob("*") if p.is_file())
-    return {"blocked_s": blocked, "polls": polls, "plan_s": plan_s, "bytes": size}
+    return {"blocked_s": call_s + poll_s, "call_s": call_s, "polls": polls, "poll_s": poll_s,
+            "plan_s": plan_s, "bytes": size}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--saves", type=int, default=5, help="timed saves per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed saves per mode first")
-    parser.add_argument("--step-s", type=float, default=0.2, help="the step's work between polls")
+    parser.add_argument("--step-s", type=float, default=1.0,
+                        help="the step's own work between two polls (the engine polls once per "
+                        "train_batch; a DAPO step at the shipped size takes minutes)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
