@@ -74,8 +74,8 @@ class SaveSize:
             f" GB: fp32 master weights and Adam moments), {self.per_rank / GB:.1f} GB per rank",
             f"  written in the background: {write_s:.0f} s at {FS_GBPS:g} GB/s aggregate to the "
             f"shared filesystem (assumed); the step waits for the host copy of its shards "
-            f"({stage_s:.1f} s at {D2H_GBPS:g} GB/s device-to-host, assumed) and, on a new save "
-            "plan, for the planning (scripts/bench/save_planning.py)",
+            f"({stage_s:.1f} s at {D2H_GBPS:g} GB/s device-to-host, assumed) and for the save "
+            "planning, cached or not (scripts/bench/save_planning.py)",
         ]
 
 
