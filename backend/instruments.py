@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from backend.router_replay import AgreementMeter, RouteRecorder
+from backend.router_replay import AgreementMeter, RouteRecorder, route_dtype
 
 logger = logging.getLogger(__name__)
 REPLAY_MODES = ("disabled", "R2", "R3")
@@ -79,7 +79,7 @@ class RouterInstruments:
         self.tap = RouterTap(module, groups, replay=replay != "disabled")
         self.agreement = AgreementMeter(spec.num_layers, spec.num_experts)
         self.update_match = AgreementMeter(spec.num_layers, spec.num_experts, used=True)
-        self.recorder = RouteRecorder(spec.top_k)
+        self.recorder = RouteRecorder(spec.top_k, route_dtype(spec.num_experts))
         self.tap.add_listener(self.agreement)
         self.tap.add_listener(self.update_match)
         self.tap.add_listener(self.recorder)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 
@@ -164,18 +163,17 @@ class McoreOptimizer:
         model_state = self.module.sharded_state_dict()
         return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, **kwargs)
 
-    def save(self, out: Path) -> None:
-        """megatron-core's sharded optimizer checkpoint + the schedule (collective)."""
-        from megatron.core import dist_checkpointing
-
-        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    def sharded_for_save(self) -> dict:
+        """The sharded state dict a save of `optim/dist_ckpt` writes (collective on 0.12.1:
+        its DP gather)."""
         self._init_torch_adam_state()  # saved before any step: the zero state of a first step
-        dist.barrier()
-        dist_checkpointing.save(self._sharded(is_loading=False), str(out / STATE_DIR))
-        if dist.get_rank() == 0:
-            # beside megatron's files, so the directory's manifest covers it
-            (out / STATE_DIR / SCHEDULE).write_text(json.dumps({"updates": self.updates}))
-        dist.barrier()
+        return self._sharded(is_loading=False)
+
+    def write_schedule(self, out: Path) -> None:
+        """The schedule's update counter, beside megatron's files (rank 0), so the directory's
+        manifest covers it."""
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        (out / STATE_DIR / SCHEDULE).write_text(json.dumps({"updates": self.updates}))
 
     def load(self, src: Path) -> None:
         """Exactly what save() wrote: Adam moments, master weights, step counts, schedule."""

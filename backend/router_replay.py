@@ -22,12 +22,22 @@ class ReplayError(ValueError):
     """Routing replay asked of a router or a batch it cannot serve."""
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds every expert id: uint8 up to 256 experts (vLLM's
+    routed_experts dtype), then int16, then int32."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
+
+
 @dataclass
 class Routes:
-    """Top-k expert ids for the tokens of one micro-batch, in [B, S] (batch-first) order."""
+    """Top-k expert ids for the tokens of one micro-batch, in [B, S] (batch-first) order, for
+    the layers first_layer .. first_layer + L - 1 (a pipeline stage's own)."""
 
-    experts_BSLK: torch.Tensor  # long, expert ids per token, layer and slot
+    experts_BSLK: torch.Tensor  # expert ids per token, layer and slot (route_dtype)
     use_BS: torch.Tensor  # bool, the tokens these ids are meant for
+    first_layer: int = 0  # global index of the first layer covered
 
     def local_TLK(self, tp: int, tp_rank: int, num_tokens: int):
         """(experts [T, L, K], use [T]) in megatron's sequence-first order of this TP rank."""
@@ -124,15 +134,17 @@ def uninstall(router) -> None:
 
 
 class RouteRecorder:
-    """Tap listener: the router's own top-k of every layer in the forwards while `on` (R2)."""
+    """Tap listener: the router's own top-k of every layer in the forwards while `on` (R2),
+    kept as `dtype` (route_dtype: uint8 for up to 256 experts)."""
 
-    def __init__(self, top_k: int):
-        self.top_k, self.on = top_k, False
+    def __init__(self, top_k: int, dtype: torch.dtype = torch.int64):
+        self.top_k, self.dtype, self.on = top_k, dtype, False
         self._idx_LTK: dict[int, torch.Tensor] = {}
 
     def __call__(self, call) -> None:
         if self.on and not call.recompute:
-            self._idx_LTK[call.layer] = map_to_indices_TK(call.chosen_map_TE, self.top_k)
+            idx_TK = map_to_indices_TK(call.chosen_map_TE, self.top_k)
+            self._idx_LTK[call.layer] = idx_TK.to(self.dtype)
 
     def take_BSLK(self, batch: int, groups) -> torch.Tensor:
         """This micro-batch's routes as [B, S, L, K] (S whole: gathered over sequence-parallel

@@ -134,13 +134,14 @@ class RouterTap(TapBase):
         if key not in self._local:
             tp = self.groups.size("tp") if self.groups is not None else 1
             rank = self.groups.rank("tp") if self.groups is not None else 0
-            self._local[key] = routes.local_TLK(tp, rank, num_tokens)
+            experts_TLK, use_T = routes.local_TLK(tp, rank, num_tokens)
+            self._local[key] = experts_TLK, use_T, routes.first_layer
         return self._local[key]
 
     def replay_target(self, layer: int, num_tokens: int):
-        """(expert ids [T, K], use [T]) to force at `layer`, None when not replaying."""
+        """(expert ids [T, K], use [T]) to force at (global) `layer`, None when not replaying."""
         local = self._routes_local("replay", num_tokens)
-        return None if local is None else (local[0][:, layer], local[1])
+        return None if local is None else (local[0][:, layer - local[2]], local[1])
 
     def set_token_mask(self, valid_BS: torch.Tensor | None) -> None:
         """Tokens that count for the next forward passes ([B, S] bool), None for all."""
@@ -174,7 +175,7 @@ class RouterTap(TapBase):
                 hidden_TH.float(), router.weight.float()
             ),
             own_map_TE=own_map_TE,
-            reference_TK=None if reference is None else reference[0][:, layer],
+            reference_TK=None if reference is None else reference[0][:, layer - reference[2]],
             reference_T=None if reference is None else reference[1],
         )
         self._emit(call)

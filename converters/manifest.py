@@ -189,20 +189,25 @@ def hash_data_file(path: Path, ranges: list[tuple[int, int]]) -> dict:
     return {"size": size, "chunks": chunks}
 
 
+def file_names(root: Path) -> list[str]:
+    """Every file below root but the manifest, as manifest keys (sorted)."""
+    names = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return sorted(n for n in names if n != NAME)
+
+
+def file_entries(root: Path, names: list[str]) -> dict[str, dict]:
+    """Manifest entries of these files of root (a torch_dist data file: one chunk per item)."""
+    ranges = item_ranges(root) if any(n.endswith(DATA_SUFFIX) for n in names) else {}
+    return {
+        n: hash_data_file(root / n, ranges[n]) if n in ranges else hash_file(root / n)
+        for n in names
+    }
+
+
 def scan_files(root: Path, hashed: dict[str, dict] | None = None) -> dict[str, dict]:
     """Entries for every file below root but the manifest (`hashed`: ones already known)."""
     hashed = dict(hashed or {})
-    data_files = [
-        p for p in root.rglob(f"*{DATA_SUFFIX}") if p.relative_to(root).as_posix() not in hashed
-    ]
-    ranges = item_ranges(root) if data_files else {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        if name == NAME or name in hashed:
-            continue
-        hashed[name] = (
-            hash_data_file(path, ranges.get(name, [])) if name in ranges else hash_file(path)
-        )
+    hashed.update(file_entries(root, [n for n in file_names(root) if n not in hashed]))
     return dict(sorted(hashed.items()))
 
 
@@ -218,9 +223,22 @@ def _write_json(path: Path, body: dict) -> None:
 def write_manifest(ckpt_dir: str | Path, kind: str = "mcore-torch_dist", **info) -> Path:
     """Hash every file of a finished checkpoint directory into its manifest.json (atomic).
     For training checkpoints: call once every rank's files are written; reads them all."""
+    return write_files_manifest(ckpt_dir, scan_files(Path(ckpt_dir)), kind, **info)
+
+
+def write_files_manifest(
+    ckpt_dir: str | Path, files: dict[str, dict], kind: str = "mcore-torch_dist", **info
+) -> Path:
+    """manifest.json of ckpt_dir from file entries hashed elsewhere (atomic; e.g. each rank
+    hashed the files it wrote). Refuses entries that do not name exactly the files there."""
     root = Path(ckpt_dir)
+    present = file_names(root)
+    if sorted(files) != present:
+        missing = sorted(set(present) - set(files)) or sorted(set(files) - set(present))
+        raise ManifestError(f"{root}: manifest entries and files differ ({missing[0]} ...)")
     path = root / NAME
-    _write_json(path, {"version": VERSION, "format": kind, **info, "files": scan_files(root)})
+    body = {"version": VERSION, "format": kind, **info, "files": dict(sorted(files.items()))}
+    _write_json(path, body)
     return path
 
 

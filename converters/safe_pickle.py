@@ -57,6 +57,9 @@ ALLOWED = frozenset(
     ]
     + [
         (f"{_DCP}.filesystem", "_StorageInfo"),
+        # a plan's storage data (a file-name prefix): in `all_local_plans` of saves reusing
+        # a cached save plan (TorchDistSaveShardedStrategy(cached_metadata=True), 2nd save on)
+        (f"{_DCP}.filesystem", "_StoragePrefix"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),

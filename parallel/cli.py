@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="search the legal plans (pinning any dimension given) and pick one",
     )
     p.add_argument("--top", type=int, default=5, help="ranked plans shown with --auto")
+    p.add_argument(
+        "--packed-length-step",
+        type=int,
+        default=None,
+        help="packed micro-batch totals rounded up to this many tokens (default: 512 on npu, "
+        "off elsewhere): the padding it costs on a DAPO-like mix is printed",
+    )
     p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     return p
 
@@ -202,7 +209,25 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(listed("notes", expert_notes(fit, options.micro_batch_tokens))))
     warnings = plan_warnings(fit, layout, memory, options.micro_batch_tokens, options.recompute)
     print("\n".join(listed("warnings", warnings)))
+    print("\n".join(_traffic_lines(args, fit)))
     return 0 if memory.fits else DOES_NOT_FIT
+
+
+def _traffic_lines(args: argparse.Namespace, fit) -> list[str]:
+    """The packed-length ladder's padding; on accelerators one weight sync and a save."""
+    from backend.packing import ladder_step
+    from parallel.ladder import ladder_cost
+    from parallel.traffic import save_size
+    from parallel.weight_sync import DEFAULT_BUCKET_MB, LINKS, sync_cost
+
+    step = ladder_step(args.device, args.packed_length_step)
+    budget, rows = args.micro_batch_tokens, 512
+    lines = [ladder_cost(step, budget, fit.plan.tp, rows).line(args.device, budget, rows)]
+    if args.device in LINKS:
+        bucket, links = DEFAULT_BUCKET_MB << 20, LINKS[args.device]
+        lines += sync_cost(fit.spec, fit.plan, bucket, links).lines(links, bucket)
+        lines += save_size(fit.spec, fit.plan.world).lines(50)
+    return lines
 
 
 DOES_NOT_FIT = 1  # a finding, like verify's differences: the plan is legal, the memory too small

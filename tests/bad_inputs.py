@@ -440,7 +440,12 @@ def _resume_run(ctx: Ctx, data_state: str = "genuine", model: str = "intact") ->
         torch.save(_System(f"mkdir {ctx.tmp / 'pwned'}"), model_dir / "common.pt")
     elif model == "changed tensor bytes":
         ctx.flip(model_dir / "__0_0.distcp", _chunk_offset(ctx) + 900)
-    return ["--device", "cpu", "--resume", "--steps", "3", "--ckpt-dir", ctx.tmp / "run"]
+    argv = ["--device", "cpu", "--resume", "--steps", "3", "--ckpt-dir", ctx.tmp / "run"]
+    if model == "half written":  # as a run stopped before its writes were finalized leaves it
+        for name in (".metadata", "manifest.json"):
+            (model_dir / name).unlink()
+        argv += ["--", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}"]
+    return argv
 
 
 def _engine_check(ctx: Ctx) -> str:
@@ -643,6 +648,16 @@ PLANNER = [
         "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt/common.pt is not plain "
         "tensor data (references posix.system): refusing to load it (nothing in it was run); "
         "re-save the checkpoint or restore it from a trusted copy",
+    ),
+    Case(
+        "launcher",
+        "--resume from a half-written checkpoint named by trainer.resume_from_path",
+        lambda c: _resume_run(c, model="half written"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt was not completely "
+        "written (no manifest.json: the run stopped while saving it): resume from a complete "
+        "checkpoint (trainer.resume_mode=auto picks the newest) or from an earlier "
+        "global_step_N (trainer.resume_from_path)",
     ),
     Case(
         "launcher",

@@ -139,10 +139,49 @@ def make_engine(world1, tiny_hf_dir, monkeypatch):
     return partial(build_engine, tiny_hf_dir)
 
 
-@pytest.fixture
-def engines(make_engine):
-    """(padded, packed) engines on the same weights, both with our SDPA attention."""
-    return make_engine(attention="sdpa"), make_engine(attention="sdpa", packed=True)
+def test_packed_length_ladder_rounds_every_total_up_to_its_step():
+    from backend.packing import ladder_step
+    from recipes.dapo.batches import packed_micro_batch
+
+    assert [ladder_step(d) for d in ("npu", "cuda", "cpu")] == [512, 1, 1]
+    assert ladder_step("npu", 0) == ladder_step("npu", 1) == 1 and ladder_step("cpu", 64) == 64
+    mb = packed_micro_batch(make_batch(), [0, 2, 3], tp=4, device="cpu", step=16)
+    assert mb.ids_BS.shape == (1, 48)  # 33 real tokens -> 48, a multiple of 16 (and of tp)
+    assert mb.cu_seqlens.tolist() == [0, 12, 27, 33, 48] and mb.valid_BS.sum() == 33
+
+
+@pytest.mark.parametrize("step", [64, 512])
+def test_the_ladder_bounds_the_packed_shapes_at_little_padding(step):
+    """On the DAPO-like mix: every packed total on the ladder, at most step - 1 slots above
+    the padded plan's largest micro-batch, no more micro-batches than padded."""
+    from recipes.dapo.batches import micro_batch_slots, packed_slot_budget, plan_lengths
+
+    totals = set()
+    for seed in range(4):
+        lengths = dapo_like_lengths(64, seed, response_max=1024)
+        plans = plan_lengths(lengths, 4096, 4, packed=True, step=step)
+        slots = [micro_batch_slots([lengths[i] for i in p], step, True) for p in plans]
+        assert all(t % step == 0 for t in slots)
+        assert max(slots) <= round_up(packed_slot_budget(lengths, 4096, 4), step)
+        assert len(plans) <= len(plan_lengths(lengths, 4096, 4, packed=False))
+        totals |= set(slots)
+    assert len(totals) <= 4096 // step  # a bounded set of shapes
+
+
+def test_packed_length_step_is_validated():
+    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+
+    with pytest.raises(EngineConfigError, match="packed_length_step=-1"):
+        McoreEpEngineConfig(packed=True, packed_length_step=-1)
+
+
+@pytest.fixture(params=[1, 16], ids=["no-ladder", "ladder16"])
+def engines(make_engine, request):
+    """(padded, packed) engines on the same weights, both with our SDPA attention; packed
+    with and without a packed-length ladder of 16 tokens."""
+    return make_engine(attention="sdpa"), make_engine(
+        attention="sdpa", packed=True, packed_length_step=request.param
+    )
 
 
 @pytest.mark.parametrize("max_tokens", [24, 64, None], ids=["mb24", "mb64", "3-rows"])
@@ -169,15 +208,18 @@ AUX_ON = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"recompute": True}, {"aux_loss": AUX_ON, "recompute": True}],
-    ids=["plain", "recompute", "aux-loss-global-batch"],
+    [{}, {"recompute": True}, {"aux_loss": AUX_ON, "recompute": True}, {"ladder": 16}],
+    ids=["plain", "recompute", "aux-loss-global-batch", "ladder16"],
 )
 def test_packed_loss_and_gradients_equal_padded(make_engine, extra):
-    """Also with the router aux loss applied (global_batch: its counting pass runs packed)."""
+    """Also with the router aux loss applied (global_batch: its counting pass runs packed),
+    and with packed totals on a ladder of 16 tokens (more padding, the same results)."""
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
+    extra = dict(extra)
+    ladder = {"packed_length_step": extra.pop("ladder")} if "ladder" in extra else {}
     results = []
     for packed in (False, True):
-        engine = make_engine(attention="sdpa", packed=packed, **extra)
+        engine = make_engine(attention="sdpa", packed=packed, **extra, **(ladder if packed else {}))
         data = make_batch(max_tokens=24, seeds=(0, 1))
         _on_policy(engine, data)
         results.append(_engine_grads(engine, data, loss_fn))
@@ -328,6 +370,9 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
     assert set(result["ratio"]) == {"update", "old_log_prob"}
     assert all(r > 0 for r in result["ratio"].values())
     assert result["micro_batches"]["packed"] <= result["micro_batches"]["padded"]
+    ladder = result["ladder"]  # npu's 512-token ladder on this mix: one packed shape left
+    assert ladder["step"] == 512 and ladder["extra_slot_share"] >= 0
+    assert ladder["packed_lengths"]["with"] == 1 <= ladder["packed_lengths"]["without"]
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from functools import partial
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tests.test_verl_engine import build_engine, make_batch
 
@@ -37,14 +39,15 @@ def marked_batch(max_tokens=32, seeds=(0,)):
     return data
 
 
-def rollout_routes(data) -> torch.Tensor:
-    """verl's nested routed_experts [B, len, L, K] with forced_experts at every position
-    (the last row a placeholder of zeros, as the CPU rollout returns it)."""
+def rollout_routes(data, rollout: str = "cpu") -> torch.Tensor:
+    """verl's nested routed_experts [B, len, L, K] with forced_experts at every fed position:
+    as the CPU rollout returns them (int16, the last row a placeholder of zeros) or as vLLM
+    does (uint8, [len - 1, L, K]: no row for the token it never fed)."""
     rows = []
     for ids in data["input_ids"].unbind():
         r = torch.stack([forced_experts(ids, layer) for layer in range(LAYERS)], dim=1)
         r[-1] = 0
-        rows.append(r.to(torch.int16))
+        rows.append(r.to(torch.int16) if rollout == "cpu" else r[:-1].to(torch.uint8))
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
@@ -120,18 +123,28 @@ def sum_loss(model_output, data, dp_group=None):
     return model_output["log_probs"].values().sum(), {}
 
 
-def r3_update_rank(rank, hf_dir, tp, ep, recompute):
-    """One rank: R3 old-log-prob pass and update on forced routes; mismatch counts per phase."""
+def r3_update_rank(rank, hf_dir, tp, ep, recompute, pp=1, rollout="cpu"):
+    """One rank: R3 old-log-prob pass and update on forced routes; mismatch counts per phase,
+    and the (layers, dtype) of the routes the engine handed its routers."""
     import os
 
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
     from backend.device import prepare_device
 
     prepare_device("cpu")
-    engine = build_engine(hf_dir, tp=tp, ep=ep, recompute=recompute, router_replay="R3")
+    engine = build_engine(hf_dir, tp=tp, ep=ep, recompute=recompute, router_replay="R3",
+                          pipeline_model_parallel_size=pp)  # fmt: skip
     data = marked_batch(max_tokens=16, seeds=(engine.get_data_parallel_rank(),))
-    data["routed_experts"] = rollout_routes(data)
-    watch = Watch(engine)
+    data["routed_experts"] = rollout_routes(data, rollout)
+    watch, given = Watch(engine), set()
+    set_routes = engine.routing.tap.set_routes
+
+    def seen(replay=None, reference=None):
+        if replay is not None:
+            given.add((replay.first_layer, replay.experts_BSLK.shape[2], replay.experts_BSLK.dtype))
+        set_routes(replay=replay, reference=reference)
+
+    engine.routing.tap.set_routes = seen
     with engine.eval_mode():
         engine.infer_batch(data)
     old = forced_mismatches(watch)
@@ -139,7 +152,7 @@ def r3_update_rank(rank, hf_dir, tp, ep, recompute):
     with engine.train_mode():
         engine.optimizer_zero_grad()
         engine.forward_backward_batch(data, sum_loss)
-    return {"old_log_prob": old, "update": forced_mismatches(watch)}
+    return {"old_log_prob": old, "update": forced_mismatches(watch), "given": given}
 
 
 @pytest.fixture
@@ -148,13 +161,77 @@ def engine_of(world1, tiny_hf_dir, monkeypatch):
     return partial(build_engine, tiny_hf_dir)
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-def test_r3_routes_every_fed_token_as_the_rollout(world1, tiny_hf_dir, monkeypatch, recompute):
+@pytest.mark.parametrize(
+    "recompute, rollout",
+    [(False, "cpu"), (True, "cpu"), (False, "vllm"), (True, "vllm")],
+    ids=["plain", "recompute", "vllm-uint8", "vllm-uint8-recompute"],
+)
+def test_r3_routes_every_fed_token_as_the_rollout(
+    world1, tiny_hf_dir, monkeypatch, recompute, rollout
+):
+    """int16 rows of every token (the CPU rollout) or uint8 rows of all but the last (vLLM):
+    routed token for token, the ids moved to the routers as uint8 (8 experts)."""
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    result = r3_update_rank(0, str(tiny_hf_dir), 1, 1, recompute)
-    for phase, (checked, wrong, _) in result.items():
+    result = r3_update_rank(0, str(tiny_hf_dir), 1, 1, recompute, rollout=rollout)
+    for phase in ("old_log_prob", "update"):
+        checked, wrong, _ = result[phase]
         assert checked > 0 and wrong == 0, f"{phase}: {wrong} of {checked} tokens off the rollout"
     assert (result["update"][2] > 0) == recompute  # recompute's replays were checked too
+    assert result["given"] == {(0, LAYERS, torch.uint8)}
+
+
+WIDER_THAN_UINT8 = (torch.int16, torch.int32, torch.int64)
+
+
+class WidenedRoutes(TorchDispatchMode):
+    """Records every op whose output is an integer tensor wider than uint8 shaped like routes
+    ([T, L, K] or [B, S, L, K]): a copy of the routes in a wider dtype. The routers' own
+    [T, K] index of one layer (int64: torch's gather and scatter take no other) and the
+    meters' [2, L] counts are not route-shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            wide = isinstance(t, torch.Tensor) and t.dtype in WIDER_THAN_UINT8
+            if wide and t.dim() >= 3 and tuple(t.shape[-2:]) == (LAYERS, K):
+                self.seen.append(f"{func} -> {t.dtype} {tuple(t.shape)}")
+        return out
+
+
+def test_vllms_uint8_routes_are_never_copied_wider(engine_of):
+    """vLLM's routed_experts (uint8, [prompt + response - 1, L, K] a row) through the R3
+    old-log-prob pass and update: from verl's batch to the routers, no copy of them in a
+    wider dtype."""
+    engine = engine_of(router_replay="R3")
+    data = marked_batch(max_tokens=16)
+    data["routed_experts"] = rollout_routes(data, "vllm")
+    with WidenedRoutes() as mode:
+        with engine.eval_mode():
+            engine.infer_batch(data)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            engine.forward_backward_batch(data, sum_loss)
+    assert mode.seen == []
+    with WidenedRoutes() as mode:  # the check itself sees a widening copy
+        data["routed_experts"].to(torch.int32)
+    assert mode.seen
+
+
+def test_routes_of_another_model_are_refused_in_one_line(engine_of):
+    from recipes.dapo.batches import BatchError
+
+    engine = engine_of(router_replay="R3")
+    data = marked_batch(max_tokens=16)
+    routes = rollout_routes(data)
+    for bad, says in ((routes.values() + E, "expert ids"), (routes.values().float(), "float")):
+        data["routed_experts"] = torch.nested.nested_tensor_from_jagged(bad, routes.offsets())
+        with pytest.raises(BatchError, match=says) as err, engine.eval_mode():
+            engine.infer_batch(data)
+        assert "\n" not in str(err.value)
 
 
 def test_r3_keeps_the_routers_own_choice_on_unfed_and_padding_tokens(engine_of):
@@ -180,6 +257,7 @@ def test_r2_update_reuses_the_old_log_prob_routes(engine_of):
     with engine.eval_mode():
         out = engine.infer_batch(data)
     recorded = out["model_output"]["routed_experts"]
+    assert recorded.dtype == torch.uint8  # one byte per expert id (8 experts)
     old = watch.routes_by_token()
     for b, (ids, rows) in enumerate(
         zip(data["input_ids"].unbind(), recorded.unbind(), strict=True)
@@ -374,24 +452,32 @@ def test_p99_is_the_nearest_rank_percentile():
 
 @pytest.mark.slow
 def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
-    """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on; tp2, ep2 and
-    tp2 x ep2 in one spawn (megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1)."""
+    """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on; tp2, ep2,
+    tp2 x ep2 and pp2 (vLLM's uint8 routes) in one spawn (megatron-core 0.12.1 cannot run
+    tp=2 with ep=1 and etp=1)."""
     from packaging.version import Version
 
     from backend.compat import mcore_version
     from tests.multiproc import run_plans
 
-    plans = [(2, 1, True), (1, 2, True), (2, 2, True)]  # (tp, ep, recompute)
+    # pp2 without recompute: under 1F1B a backward's recompute follows the next forward, so
+    # Watch could not tell whose tokens it routes (the engine's own handling of that:
+    # tests/test_pipeline_engine.py)
+    plans = [(2, 1, True), (1, 2, True), (2, 2, True), (1, 1, False, 2, "vllm")]
     if mcore_version() < Version("0.13"):
         plans.remove((2, 1, True))
-    for (tp, ep, _), results in zip(
+    for (tp, ep, recompute, *pp), results in zip(
         plans, run_plans(r3_update_rank, 2, plans, str(tiny_hf_dir)), strict=True
     ):
         for rank, result in enumerate(results):
-            for phase, (checked, wrong, _) in result.items():
-                where = f"tp={tp} ep={ep} rank {rank} {phase}"
+            for phase in ("old_log_prob", "update"):
+                checked, wrong, _ = result[phase]
+                where = f"tp={tp} ep={ep} pp={pp[:1]} rank {rank} {phase}"
                 assert checked > 0 and wrong == 0, f"{where}: {wrong} of {checked} off"
-            assert result["update"][2] > 0, f"tp={tp} ep={ep} rank {rank}"
+            assert (result["update"][2] > 0) == recompute, f"tp={tp} ep={ep} rank {rank}"
+            # pp=2 (uint8 routes as vLLM returns them): each stage is handed its layer only
+            layers = (rank, 1) if pp else (0, LAYERS)
+            assert result["given"] == {(*layers, torch.uint8)}, f"tp={tp} ep={ep} rank {rank}"
 
 
 @pytest.mark.parametrize("mode", ["disabled", "R3"])

@@ -187,6 +187,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         "trainer.save_freq": D["save_freq"],
         "trainer.test_freq": D["test_freq"],
         "trainer.resume_mode": "auto",
+        "actor_rollout_ref.actor.checkpoint.async_save": True,
         "trainer.val_before_train": True,
         "trainer.default_local_dir": str(files["--ckpt-dir"]),
         "hydra.run.dir": f"{files['--ckpt-dir']}/hydra",

@@ -5,9 +5,9 @@ an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic
 our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
 build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
 verl's weight sync, the dapo reward manager, checkpoints in verl's layout. A few steps each;
-the learning curve itself is measured by the main command (README). The resume
-(resume_mode=auto) after a run was killed runs on a two-node Ray cluster, after a lost node:
-tests/test_ray_cluster.py.
+the learning curve itself is measured by the main command (README). resume_mode=auto
+past a half-written background save runs here; the resume after a lost node on a two-node Ray
+cluster (tests/test_ray_cluster.py).
 """
 
 import json
@@ -108,10 +108,13 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     out, proc = run3
     ckpt = out / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    for step in (2, 3):
+    from recipes.dapo.weights import is_complete
+
+    for step in (2, 3):  # step 2 written in the background and sealed later, 3 the last
         actor = ckpt / f"global_step_{step}" / "actor"
         assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
         assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
+        assert is_complete(actor)  # every directory sealed with its manifest
         assert json.loads((actor / "meta.json").read_text())["global_step"] == step
     # verl's own data.pt: the exact allow-list the launcher and the engine check it with
     from converters.safe_pickle import TORCH_SAVE_ALLOWED
@@ -125,6 +128,47 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     assert (out / "export_hf" / "config.json").is_file()
     assert (out / "reward_curve.png").is_file()
     assert "export reloads in transformers" in proc.stdout
+
+
+@pytest.mark.trainer_flow
+def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
+    """A run killed while writing its step-3 save in the background: its step-2 save is the
+    newest complete one; resume_mode=auto loads it (one line says why) and trains step 3,
+    whose save replaces the half-written one.
+
+    On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
+    load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
+    src, _ = run3
+    out = resumable_copy(src, tmp_path / "resumed")
+    half = out / "checkpoints" / "global_step_3"
+    shutil.copytree(src / "checkpoints" / "global_step_3", half)
+    for d in half.glob("actor/*/dist_ckpt"):  # as a kill before the writes were finalized
+        for name in (".metadata", "metadata.json", "manifest.json"):
+            (d / name).unlink()
+    rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
+    # the killed run logged steps 1-2 and half a line of step 3
+    (out / "metrics").mkdir()
+    (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
+    proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
+    assert proc.returncode == 0
+    assert "Resuming from" in (out / "logs" / "launch_001.log").read_text()
+    assert (
+        f"resuming from {out / 'checkpoints/global_step_2'}, the newest complete checkpoint: "
+        f"{half} was not completely written" in proc.stdout
+    )
+    resumed = history(out)
+    assert sorted(resumed) == [1, 2, 3]
+    # step 3 ran on the checkpoint's weights: the rollout got them through the sync after
+    # the load, and the actor's log-probs agree with the rollout's
+    assert resumed[3]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
+    assert resumed[3]["training/global_step"] == 3
+    assert (
+        json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
+        == 3
+    )
+    from recipes.dapo.weights import is_complete
+
+    assert is_complete(half / "actor")  # written again by the resumed run, and sealed
 
 
 def resumable_copy(src: Path, out: Path) -> Path:

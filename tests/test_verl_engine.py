@@ -27,7 +27,7 @@ LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens 
 
 
 def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False, lr=1e-3,
-                 **config):  # fmt: skip
+                 checkpoint_config=None, optimizer_config=None, **config):  # fmt: skip
     """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -49,10 +49,9 @@ def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False,
             **(dict(experts="grouped", attention="sdpa") if fast else {}),
             **config,  # e.g. param_offload, optimizer_offload
         ),
-        optimizer_config=FSDPOptimizerConfig(
-            lr=lr, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
-        ),
-        checkpoint_config=CheckpointConfig(),
+        optimizer_config=optimizer_config
+        or FSDPOptimizerConfig(lr=lr, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0),
+        checkpoint_config=checkpoint_config or CheckpointConfig(),
     )
     engine.initialize()
     return engine

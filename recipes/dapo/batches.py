@@ -26,10 +26,14 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from backend.common import round_up
-
-
-class BatchError(ValueError):
-    """A batch this engine cannot split or run."""
+from backend.packing import (  # noqa: F401  (the planners: pure, in backend.packing)
+    BatchError,
+    micro_batch_slots,
+    packed_slot_budget,
+    plan_by_real_tokens,
+    plan_by_tokens,
+    plan_lengths,
+)
 
 
 @dataclass
@@ -88,95 +92,6 @@ def _lengths(tensor: torch.Tensor) -> torch.Tensor:
     return torch.full((tensor.shape[0],), tensor.shape[1], dtype=torch.long)
 
 
-def _check_fits(longest: int, budget: int, multiple: int) -> None:
-    if round_up(longest, multiple) > budget:
-        raise BatchError(
-            f"a sequence of {longest} tokens exceeds max_token_len_per_gpu="
-            f"{budget}: raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu "
-            "to at least max_prompt_length + max_response_length"
-        )
-
-
-def micro_batch_slots(lengths: list[int], multiple: int, packed: bool) -> int:
-    """Token slots one micro-batch's activations hold, the unit every planner budgets: padded,
-    rows x longest row (rounded up to the multiple); packed, the real total rounded up."""
-    if not lengths:
-        return 0
-    if packed:
-        return round_up(sum(lengths), multiple)
-    return len(lengths) * round_up(max(lengths), multiple)
-
-
-def plan_by_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
-    """Longest first, greedily: padded slots (rows x padded longest row) <= budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    _check_fits(lengths[order[0]] if order else 0, budget, multiple)
-    plans: list[list[int]] = []
-    for i in order:
-        widest = round_up(lengths[plans[-1][0]], multiple) if plans else 0
-        if plans and (len(plans[-1]) + 1) * widest <= budget:  # micro_batch_slots, padded
-            plans[-1].append(i)
-        else:
-            plans.append([i])
-    return plans
-
-
-def packed_slot_budget(lengths: list[int], budget: int, multiple: int) -> int:
-    """The slots a packed micro-batch may hold: the largest micro-batch of the padded plan of the
-    same rows and budget (<= budget). Packing then never needs more activation memory than
-    padding would for the same batch and settings."""
-    plans = plan_by_tokens(lengths, budget, multiple)
-    return max(
-        (micro_batch_slots([lengths[i] for i in p], multiple, False) for p in plans), default=0
-    )
-
-
-def plan_by_real_tokens(lengths: list[int], budget: int, multiple: int) -> list[list[int]]:
-    """Packed micro-batches, each of micro_batch_slots(packed) <= budget: as few as first fit
-    (longest first) needs, then balanced (longest first onto the least filled) when that fits
-    too, so the largest holds as few tokens as the count allows."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    _check_fits(lengths[order[0]] if order else 0, budget, multiple)
-    plans: list[list[int]] = []
-    used: list[int] = []
-    for i in order:
-        fit = next(
-            (k for k, u in enumerate(used) if round_up(u + lengths[i], multiple) <= budget), None
-        )
-        if fit is None:
-            plans.append([i])
-            used.append(lengths[i])
-        else:
-            plans[fit].append(i)
-            used[fit] += lengths[i]
-    balanced = _balance(lengths, order, len(plans))
-    if all(micro_batch_slots([lengths[i] for i in p], multiple, True) <= budget for p in balanced):
-        return balanced
-    return plans
-
-
-def _balance(lengths: list[int], order: list[int], count: int) -> list[list[int]]:
-    """Longest processing time first: each row onto the micro-batch with the fewest tokens."""
-    plans: list[list[int]] = [[] for _ in range(count)]
-    used = [0] * count
-    for i in order:
-        k = min(range(count), key=used.__getitem__)
-        plans[k].append(i)
-        used[k] += lengths[i]
-    return [p for p in plans if p]
-
-
-def plan_lengths(lengths: list[int], budget: int, multiple: int, packed: bool) -> list[list[int]]:
-    """The dynamic-batch plan of one rank (max_token_len_per_gpu = budget). Padded: slots <=
-    budget. Packed: slots <= packed_slot_budget, and never more micro-batches than the padded
-    plan (whose micro-batches, packed, fit that budget too)."""
-    padded = plan_by_tokens(lengths, budget, multiple)
-    if not packed:
-        return padded
-    plans = plan_by_real_tokens(lengths, packed_slot_budget(lengths, budget, multiple), multiple)
-    return plans if len(plans) <= len(padded) else padded
-
-
 def plan_by_rows(num_rows: int, rows_per_mb: int) -> list[list[int]]:
     return [list(range(s, min(s + rows_per_mb, num_rows))) for s in range(0, num_rows, rows_per_mb)]
 
@@ -197,9 +112,10 @@ def split_to(plans: list[list[int]], count: int) -> list[list[int]]:
 
 
 def plan_micro_batches(
-    data: TensorDict, tp: int, dp_group, device="cpu", packed: bool = False
+    data: TensorDict, tp: int, dp_group, device="cpu", packed: bool = False, step: int = 1
 ) -> list[list[int]]:
-    """Row indices of each micro-batch, the same count on every rank of `dp_group`."""
+    """Row indices of each micro-batch, the same count on every rank of `dp_group` (step:
+    the packed-length ladder, backend.packing)."""
     lengths = _lengths(data["input_ids"]).tolist()
     if tu.get_non_tensor_data(data, "use_dynamic_bsz", True):
         budget = tu.get_non_tensor_data(data, "max_token_len_per_gpu", None)
@@ -207,7 +123,7 @@ def plan_micro_batches(
             raise BatchError(
                 "use_dynamic_bsz needs max_token_len_per_gpu: set ppo_max_token_len_per_gpu"
             )
-        plans = plan_lengths(lengths, int(budget), tp, packed)
+        plans = plan_lengths(lengths, int(budget), tp, packed, step)
     else:
         plans = plan_by_rows(
             len(lengths), int(tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", 1))
@@ -288,14 +204,17 @@ def _padded_to(mb: MicroBatch, b: int, s: int) -> MicroBatch:
                    cu_seqlens=cu_seqlens)  # fmt: skip
 
 
-def packed_micro_batch(data: TensorDict, rows: list[int], tp: int, device) -> MicroBatch:
-    """Rows of `data` concatenated into one [1, T] row (T the real total rounded up to tp)."""
+def packed_micro_batch(
+    data: TensorDict, rows: list[int], tp: int, device, step: int = 1
+) -> MicroBatch:
+    """Rows of `data` concatenated into one [1, T] row (T the real total rounded up to tp and
+    to the packed-length ladder's step)."""
     from backend.packing import packed_layout
 
     sub = tu.index_select_tensor_dict(data, rows)
     ids = sub["input_ids"]
     seqs = [s.cpu() for s in (ids.unbind() if ids.is_nested else list(ids))]
-    layout = packed_layout([len(s) for s in seqs], tp)
+    layout = packed_layout([len(s) for s in seqs], tp, step=step)
     lengths_B = torch.tensor(layout.lengths)
     valid_1T = torch.arange(layout.total)[None] < layout.real
     response_1T = _packed_response_mask(sub, lengths_B, layout.total)
@@ -331,19 +250,24 @@ def restore_rows(per_mb: list[torch.Tensor], plans: list[list[int]]) -> torch.Te
     return torch.nested.as_nested_tensor(ordered, layout=torch.jagged)
 
 
-def micro_batch_routes(routes, mb: MicroBatch, device, fed_only: bool):
-    """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row) as
+def micro_batch_routes(
+    routes, mb: MicroBatch, device, fed_only: bool, layers: range, num_experts: int
+):
+    """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row, any
+    integer dtype: vLLM's uint8, the CPU rollout's int16, R2's recorded ones) as
     backend.router_replay.Routes over the micro-batch's ids_BS (padded [B, S] or packed
-    [1, T]).
+    [1, T]) for `layers` only (a pipeline stage's), in route_dtype(num_experts): what moves
+    to the device is a stage's share of the routes at one byte per id (<= 256 experts).
 
     fed_only: a rollout's routes: its last token was never fed to the model (its row is a
     placeholder or absent), so it is not used; the recorded routes of a full forward are.
     """
-    from backend.router_replay import Routes
+    from backend.router_replay import Routes, route_dtype
 
     rows = routes.unbind() if routes.is_nested else list(routes)
-    num_layers, top_k = rows[0].shape[-2:]
-    experts_BSLK = torch.zeros(*mb.ids_BS.shape, num_layers, top_k, dtype=torch.long)
+    _check_routes(routes, rows[0].shape[-2], layers, num_experts)
+    dtype, top_k = route_dtype(num_experts), rows[0].shape[-1]
+    experts_BSLK = torch.zeros(*mb.ids_BS.shape, len(layers), top_k, dtype=dtype)
     use_BS = torch.zeros(*mb.ids_BS.shape, dtype=torch.bool)
     for i, (row, (b, s, n)) in enumerate(zip(rows, mb.places, strict=True)):
         if row.shape[0] not in (n, n - 1):
@@ -352,9 +276,27 @@ def micro_batch_routes(routes, mb: MicroBatch, device, fed_only: bool):
                 "expected one per token (or all but the last)"
             )
         m = min(row.shape[0], n - 1 if fed_only else n)
-        experts_BSLK[b, s : s + m] = row[:m].long().cpu()
+        experts_BSLK[b, s : s + m] = row[:m, layers.start : layers.stop].cpu().to(dtype)
         use_BS[b, s : s + m] = True
-    return Routes(experts_BSLK.to(device), use_BS.to(device))
+    return Routes(experts_BSLK.to(device), use_BS.to(device), layers.start)
+
+
+def _check_routes(routes, num_layers: int, layers: range, num_experts: int) -> None:
+    """A damaged routed_experts (another model's, ids out of range, a float tensor) is
+    refused in one line, never replayed."""
+    values = routes.values() if routes.is_nested else routes
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise BatchError(f"routed_experts is {values.dtype}: expected integer expert ids")
+    if num_layers < layers.stop:
+        raise BatchError(
+            f"routed_experts covers {num_layers} layers, the model has more (up to layer "
+            f"{layers.stop - 1}): are the routes this model's?"
+        )
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_experts):
+        raise BatchError(
+            f"routed_experts holds expert ids {int(values.min())}..{int(values.max())}, the "
+            f"model has {num_experts} experts: are the routes this model's?"
+        )
 
 
 def routes_to_nested(experts_BSLK: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -15,6 +15,7 @@ from verl.workers.config.engine import EngineConfig
 from backend.guards import GuardSettings
 from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
+from parallel.weight_sync import DEFAULT_BUCKET_MB
 from recipes.dapo import BACKEND, check_actor_cp
 
 
@@ -42,6 +43,12 @@ class McoreEpEngineConfig(EngineConfig):
     packed: micro-batches as packed sequences (one [1, T] row, megatron-core THD
     PackedSeqParams; planned on real tokens) instead of right-padded [B, S]; needs our SDPA
     attention ("auto" then picks it on every device).
+    weight_sync_bucket_mb: the rollout weight stream gathers its tensors in buckets of at
+    most this many MiB of full tensors, one collective per group and bucket (0: one per
+    tensor); the same names, values and order either way (parallel.weight_sync).
+    packed_length_step: with packed, every micro-batch's packed total is rounded up to a
+    multiple of this many tokens, so a run sees a bounded set of shapes (backend.packing);
+    None: 512 on npu (whose operators recompile on new shapes), off elsewhere; 0 or 1: off.
     guards: the opt-in entropy floor and adaptive KL coefficient, off by default
     (backend.guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
     """
@@ -62,6 +69,8 @@ class McoreEpEngineConfig(EngineConfig):
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
     router_replay: str = "disabled"
     packed: bool = False
+    weight_sync_bucket_mb: float = DEFAULT_BUCKET_MB
+    packed_length_step: int | None = None
     guards: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +96,16 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 "packed=True needs attention='sdpa' (or 'auto'): megatron-core's local "
                 "attention has no packed-sequence (THD) path"
+            )
+        if not self.weight_sync_bucket_mb >= 0:
+            raise EngineConfigError(
+                f"weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: give the bucket size "
+                "in MiB (0: gather one tensor at a time)"
+            )
+        if self.packed_length_step is not None and self.packed_length_step < 0:
+            raise EngineConfigError(
+                f"packed_length_step={self.packed_length_step!r}: give a token count "
+                "(e.g. 512), 0 for none, or leave it unset for the device's default"
             )
         try:
             GuardSettings.from_dict(self.guards)

@@ -14,8 +14,11 @@ BaseEngine calls verl's workers make map onto our code:
                       logits held) -> verl's loss_function -> backward
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
-  get_per_tensor_param  HF-named full tensors, gathered over TP/EP one at a time
-  save/load_checkpoint  recipes.dapo.weights (layout in its docstring)
+  get_per_tensor_param  HF-named full tensors, gathered over TP/EP in buckets
+                      (mcore_ep.weight_sync_bucket_mb; converters.buckets)
+  save/load_checkpoint  recipes.dapo.weights (layout in its docstring); saves written in the
+                      background and sealed later with verl's checkpoint.async_save
+                      (recipes.dapo.saving)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
@@ -31,8 +34,10 @@ BaseEngine calls verl's workers make map onto our code:
 
 import logging
 import os
+import shutil
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,7 +61,7 @@ from backend.timing import (
     comm_share_warning,
     max_over_ranks,
 )
-from recipes.dapo import batches, weights
+from recipes.dapo import batches, saving, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.guards import EngineGuards
 from recipes.dapo.heads import head_from_hidden
@@ -65,7 +70,6 @@ logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
-ROUTE_DTYPE = torch.int32  # recorded routed_experts (R2), as verl's megatron engine returns
 
 
 def _one_temperature(temperature_B: torch.Tensor) -> float:
@@ -158,6 +162,7 @@ class McoreEpEngine(BaseEngine):
         self.spec = load_spec(model_config.local_path)
         check_against_model(self.plan, self.spec)  # before any group exists: one-line errors
         self.groups = init_parallel(self.device, self.plan, seed=engine_config.seed)
+        self.writer = saving.CheckpointWriter(self.groups.dp, self._torch_device)
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._saved: list[Path] = []
@@ -297,9 +302,10 @@ class McoreEpEngine(BaseEngine):
 
     def _forward_backward(self, data, loss_function, forward_only: bool):
         self._set_batch_info(data)
-        tp, packed = self.groups.size("tp"), self.engine_config.packed
-        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device, packed)
-        make = batches.packed_micro_batch if packed else batches.micro_batch
+        tp, packed, step = self.groups.size("tp"), self.engine_config.packed, self._ladder
+        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device,
+                                           packed, step)  # fmt: skip
+        make = partial(batches.packed_micro_batch, step=step) if packed else batches.micro_batch
         mbs = [make(data, rows, tp, self._torch_device) for rows in plans]
         if self._tokens_gathered_over_ep:
             mbs = batches.agree_over(mbs, self.groups.ep)
@@ -325,6 +331,13 @@ class McoreEpEngine(BaseEngine):
         return self._assemble(outputs, plans, self.routing.end_step())
 
     @property
+    def _ladder(self) -> int:
+        """The packed-length ladder's step (mcore_ep.packed_length_step; npu: 512)."""
+        from backend.packing import ladder_step
+
+        return ladder_step(self.device, self.engine_config.packed_length_step)
+
+    @property
     def _tokens_gathered_over_ep(self) -> bool:
         """megatron's allgather dispatcher (CPU) with EP: micro-batches must agree in shape."""
         ep = self.groups.size("ep") > 1
@@ -333,6 +346,12 @@ class McoreEpEngine(BaseEngine):
     @property
     def _last_stage(self) -> bool:
         return is_last_stage(self.groups)
+
+    @property
+    def _layers(self) -> range:
+        """The global indices of this pipeline stage's layers."""
+        numbers = [layer.layer_number - 1 for layer in self.module.decoder.layers]
+        return range(numbers[0], numbers[-1] + 1)
 
     def _enter(self, mb, routes: dict) -> None:
         """The router instruments' per-micro-batch state: token mask, routes to force."""
@@ -372,18 +391,21 @@ class McoreEpEngine(BaseEngine):
                 routes_BSLK = self._all_stages_routes(routes_BSLK)
                 if outputs[i] is not None:
                     outputs[i]["model_output"]["routed_experts"] = batches.routes_to_nested(
-                        routes_BSLK.to(ROUTE_DTYPE), p.mbs[i]
+                        routes_BSLK, p.mbs[i]
                     )
         return outputs
 
-    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor:
-        """R2's recorded routes of this stage's layers -> every layer's (gathered over PP)."""
+    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor | None:
+        """R2's recorded routes of this stage's layers (route_dtype: uint8 for <= 256
+        experts) -> every layer's on the last stage, the one whose outputs verl reads
+        (gathered there over PP); None on the other stages."""
         pp = self.groups.size("pp")
         if pp == 1:
             return routes_BSLK
-        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)]
-        dist.all_gather(parts, routes_BSLK.contiguous(), group=self.groups.pp)
-        return torch.cat(parts, dim=2)
+        last = dist.get_global_rank(self.groups.pp, pp - 1)
+        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)] if self._last_stage else None
+        dist.gather(routes_BSLK.contiguous(), parts, dst=last, group=self.groups.pp)
+        return torch.cat(parts, dim=2) if self._last_stage else None
 
     def _micro_batch_result(self, mb, outputs_BS: dict, p: "_Pass"):
         """(result, loss) of a micro-batch on the last stage: verl's loss on its outputs."""
@@ -449,12 +471,13 @@ class McoreEpEngine(BaseEngine):
             return {"record": mode == "R2"}
         recorded = mode == "R2"  # R2's update: our own routes of every token
         routes = batches.micro_batch_routes(
-            mb.data["routed_experts"], mb, self._torch_device, not recorded
-        )
+            mb.data["routed_experts"], mb, self._torch_device, not recorded, self._layers,
+            self.spec.num_experts,
+        )  # fmt: skip
         out = {"replay": routes if mode != "disabled" else None}
         if not recorded:  # the rollout's routes: agreement (old log-probs), route match (update)
             counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
-            out["reference"] = type(routes)(routes.experts_BSLK, counted_BS)
+            out["reference"] = replace(routes, use_BS=counted_BS)
         return out
 
     def _old_log_prob_metrics(self, out: dict, data) -> None:
@@ -525,6 +548,7 @@ class McoreEpEngine(BaseEngine):
         last one (verl's `update_lr_scheduler` flag; without the flag, with every step): verl
         reduces an actor metric over the updates by np.min when its key contains "min", as
         "timing" does, so a value per update would log the smallest update."""
+        self.writer.poll()  # a save written in the background: sealed once every rank is done
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
         guarded = self.guards.end_step(self.groups.dp, self._torch_device)
@@ -578,37 +602,69 @@ class McoreEpEngine(BaseEngine):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
             self.onload(model=True, optimizer=False, grad=False)
-        tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers)
+        bucket = int(self.engine_config.weight_sync_bucket_mb * 2**20)
+        tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers,
+                                     bucket)  # fmt: skip
         return self.timer.timed_items("weight_sync", tensors), None
 
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
     ):
+        """recipes.dapo.saving: the previous save is sealed first; this one is written in the
+        background with `checkpoint.async_save` (sealed later, at a train_batch), except at
+        the run's last step, which returns sealed."""
         if hdfs_path:
             raise ValueError(
                 "mcore_ep writes local (shared-filesystem) checkpoints only: "
                 "unset trainer.default_hdfs_dir"
             )
+        self.writer.finish()
         root, rank = Path(local_path), dist.get_rank()
         contents = set(self.checkpoint_config.get("save_contents", ["model", "optimizer", "extra"]))
         with_optim = self.optim is not None and "optimizer" in contents
+        in_background = self._async_save and not self._last_step
+        weights.clear_for_save(root)
         self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
-        config_json = Path(self.model_config.local_hf_config_path) / "config.json"
-        weights.save_model(self.module, root / weights.MODEL_DIR, config_json, self.device)
+        model_dir = root / weights.MODEL_DIR
+        self.writer.write("model", self.module.sharded_state_dict(), model_dir, in_background)
         if rank == 0:
+            config_json = Path(self.model_config.local_hf_config_path) / "config.json"
+            shutil.copyfile(config_json, model_dir / weights.HF_CONFIG)
             weights.save_meta(root, global_step, self.plan.record(), self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
         if with_optim:
             # params stay loaded: the sharded optimizer state refers to the model's shards
             self.onload(model=False, optimizer=self.is_optimizer_offload_enabled, grad=False)
-            self.optim.save(root / weights.OPTIM_DIR)
-            self.offload(model=False, optimizer=self.is_optimizer_offload_enabled)
-        self.offload(model=self.is_param_offload_enabled, optimizer=False)
-        sealed = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
-        weights.seal(root, sealed)
-        if rank == 0:
-            self._saved.append(root)
-            weights.prune(self._saved, max_ckpt_to_keep)
+            state_dir = root / weights.OPTIM_STATE
+            self.writer.write("optim", self.optim.sharded_for_save(), state_dir, in_background)
+            if rank == 0:
+                self.optim.write_schedule(root / weights.OPTIM_DIR)
+        dirs = [model_dir] + ([root / weights.OPTIM_STATE] if with_optim else [])
+        tracker = saving.tracker_of(root) if self._async_save else None
+        sealed = partial(self._sealed, keep=max_ckpt_to_keep)
+        self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
+        # offloaded only once the writer has its copy: until then the plan's write items are
+        # views of the device shards (copied to the host when the writer starts), whose
+        # storage a param offload frees
+        optimizer = with_optim and self.is_optimizer_offload_enabled
+        self.offload(model=self.is_param_offload_enabled, optimizer=optimizer)
+        if not in_background:
+            self.writer.finish()
+
+    @property
+    def _async_save(self) -> bool:
+        """verl's `checkpoint.async_save`: its trainer then leaves the tracker to the engine."""
+        return bool(self.checkpoint_config.get("async_save", False))
+
+    @property
+    def _last_step(self) -> bool:
+        """The run's last save (verl saves at its last step): every scheduled update is done."""
+        total = getattr(self.optimizer_config, "total_training_steps", None) or 0
+        return self.optim is None or (total > 0 and self.optim.updates >= total)
+
+    def _sealed(self, root: Path, keep: int | None) -> None:
+        self._saved.append(root)
+        weights.prune(self._saved, keep)
 
     def _log_loaded(self, root: Path, meta: dict) -> None:
         """One line on rank 0 of what the load left in the engine: the checkpoint's global step
@@ -624,6 +680,7 @@ class McoreEpEngine(BaseEngine):
         )  # fmt: skip
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        self.writer.finish()
         root = Path(local_path)
         meta = weights.read_meta(root)
         contents = set(self.checkpoint_config.get("load_contents", ["model", "optimizer", "extra"]))
@@ -636,13 +693,12 @@ class McoreEpEngine(BaseEngine):
                 "experts setting, or export its weights (python -m converters mcore-to-hf) and "
                 "start from them"
             )
+        dirs = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
         if with_optim:
             weights.check_optim_dir(root)
+        weights.check_complete(dirs)
         # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
-        weights.check_sealed(
-            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else []),
-            step_dir=root.parent,
-        )
+        weights.check_sealed(dirs, step_dir=root.parent)
         self.onload(
             model=self.is_param_offload_enabled,
             optimizer=with_optim and self.is_optimizer_offload_enabled,

@@ -15,12 +15,16 @@ from recipes.dapo.console import ALARMS
 
 
 def latest_actor_checkpoint(root: Path) -> Path | None:
-    """<root>/global_step_N/actor with the largest N (verl's layout), or None."""
+    """<root>/global_step_N/actor with the largest N (verl's layout) of the complete ones
+    (sealed: recipes.dapo.saving), or None."""
+    from recipes.dapo.weights import is_complete
+
     steps = [
         (int(m.group(1)), p / "actor")
         for p in root.glob("global_step_*")
         if (m := re.fullmatch(r"global_step_(\d+)", p.name))
         and (p / "actor" / "meta.json").is_file()
+        and is_complete(p / "actor")
     ]
     return max(steps)[1] if steps else None
 

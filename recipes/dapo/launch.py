@@ -138,6 +138,8 @@ class Resolved:
             lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
             lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
+            lines += ["traffic besides forward and backward (parallel/):"]
+            lines += [f"  {line}" for line in self._traffic_lines()]
         lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
         lines += replay_lines(self.groups, run.device)
         lines.append(f"Ray: {ray_line(run)}")
@@ -150,6 +152,23 @@ class Resolved:
             lines += [f"  {item}" for item in overrides.to_cli({group: values})]
         lines.append("command: " + " ".join(self.command[:3]) + " <the overrides above>")
         return "\n".join(lines)
+
+    def _traffic_lines(self) -> list[str]:
+        """Routes per batch, the checkpoint per save, one weight sync (the DAPO settings)."""
+        from parallel.traffic import route_lines, save_size
+        from parallel.weight_sync import DEFAULT_BUCKET_MB, LINKS, sync_cost
+
+        spec, plan, dapo = self.model_fit.spec, self.run.plan, overrides.DAPO
+        samples = [dapo[k] * dapo["n"] for k in ("train_batch_size", "gen_batch_size")]
+        lines = route_lines(spec, *samples, overrides.MEAN_SAMPLE_TOKENS, plan.pp)
+        every = overrides.value_of(self.groups, "trainer.save_freq")
+        lines += save_size(spec, plan.world).lines(int(every))
+        mb = overrides.value_of(
+            self.groups, f"actor_rollout_ref.actor.{BACKEND}.weight_sync_bucket_mb"
+        )
+        bucket = int(float(DEFAULT_BUCKET_MB if mb is None else mb) * 2**20)
+        links = LINKS[self.run.device]
+        return lines + sync_cost(spec, plan, bucket, links).lines(links, bucket)
 
     def _layout_and_warnings(self) -> list[str]:
         from parallel.advice import cross_node_warnings, expert_notes, expert_warnings, listed
@@ -421,7 +440,7 @@ def run(args, extra: list[str]) -> int:
         print(resolved.describe())
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
-    resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
+    settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
         cluster.raise_open_files()
     env, watch = resolved.run.env, None
@@ -461,6 +480,15 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
     if lost:
         print(lost, file=sys.stderr)
     return code
+
+
+def settle_resume(groups: dict[str, dict]) -> None:
+    """The checkpoint verl will resume from: a complete one (a line says which, when a
+    stopped run left one half written), and what verl will unpickle, checked."""
+    note = resume.settle_unfinished(groups, cluster.REPO)
+    if note:
+        print(note)
+    resume.check_resume(groups, cluster.REPO)
 
 
 def main(argv: list[str] | None = None) -> int:

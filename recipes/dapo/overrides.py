@@ -36,6 +36,9 @@ DAPO = dict(
     test_freq=200,
     rollout_tp=2,
 )
+# mean tokens (prompt + response) of a sample in the seed's DAPO runs on Qwen3-30B-A3B: the
+# route and step sizes the dry run prints assume it
+MEAN_SAMPLE_TOKENS = 4900
 # padded tokens per micro-batch per DP rank: two full-length sequences (2048 + 6144)
 MICRO_BATCH_TOKENS = 2 * (DAPO["max_prompt_length"] + DAPO["max_response_length"])
 LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
@@ -184,6 +187,9 @@ def trainer(run: RunSpec) -> dict:
         "trainer.save_freq": DAPO["save_freq"],
         "trainer.test_freq": DAPO["test_freq"],
         "trainer.resume_mode": "auto",
+        # checkpoints written in the background (recipes.dapo.saving); verl then leaves the
+        # tracker (latest_checkpointed_iteration.txt) to the engine, which writes it once sealed
+        f"{ACTOR}.checkpoint.async_save": True,
         "trainer.val_before_train": True,
         "trainer.default_local_dir": run.ckpt_dir,
         "hydra.run.dir": f"{run.ckpt_dir}/hydra",  # not ./outputs in the working directory

@@ -20,6 +20,7 @@ containers and one uint8 tensor, the sampler's torch.Generator state: exactly
 `converters.safe_pickle.TORCH_SAVE_ALLOWED`.
 """
 
+import re
 from pathlib import Path
 
 from converters.hf_io import CheckpointError
@@ -84,6 +85,69 @@ def resume_dir(groups: dict[str, dict], cwd: Path) -> Path | None:
             "to resume from (N of a global_step_N there), or remove it to start afresh"
         ) from None
     return step if step.exists() else None
+
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("global_step_"))
+
+
+def _saved_steps(root: Path) -> list[Path]:
+    """verl's global_step_N directories with an actor checkpoint, oldest first."""
+    found = [p for p in root.glob("global_step_*") if re.fullmatch(r"global_step_\d+", p.name)]
+    return sorted((p for p in found if (p / ACTOR).is_dir()), key=_step)
+
+
+def _unfinished(step_dir: Path) -> bool:
+    from recipes.dapo import weights
+
+    return not weights.is_complete(step_dir / ACTOR)
+
+
+_WHY = "was not completely written (the run stopped while saving it; the next save of that step replaces it)"
+
+
+def settle_unfinished(groups: dict[str, dict], cwd: Path) -> str | None:
+    """Before verl resumes: a checkpoint a stopped run left half written is never resumed
+    from. resume_mode=auto: the newest complete one is (verl's tracker is pointed at it when
+    it named a half-written one; removed when none is complete: a fresh start); returns the
+    one line saying which and why, or None when nothing was half written. resume_path naming
+    a half-written one: refused in one line."""
+    from recipes.dapo import weights
+
+    mode = str(overrides.value_of(groups, "trainer.resume_mode") or "auto")
+    if mode == "resume_path":
+        step_dir = resume_dir(groups, cwd)
+        actor = None if step_dir is None else step_dir / ACTOR
+        if actor is not None and actor.is_dir() and _unfinished(step_dir):
+            subs = [actor / sub for sub in (weights.MODEL_DIR, weights.OPTIM_STATE)]
+            weights.check_complete([d for d in subs if d.is_dir()] or subs[:1])
+        return None
+    local_dir = overrides.value_of(groups, "trainer.default_local_dir")
+    if mode != "auto" or local_dir is None:
+        return None
+    saved = _saved_steps(cwd / str(local_dir))
+    unfinished = [d for d in saved if _unfinished(d)]
+    if not unfinished:
+        return None
+    tracked = resume_dir(groups, cwd)
+    if tracked is None:
+        return f"starting afresh (no checkpoint to resume from): {unfinished[-1]} {_WHY}"
+    if not _unfinished(tracked):
+        newer = [d for d in unfinished if _step(d) > _step(tracked)]
+        return (
+            f"resuming from {tracked}, the newest complete checkpoint: {newer[-1]} {_WHY}"
+            if newer
+            else None
+        )
+    older = [d for d in saved if _step(d) < _step(tracked) and not _unfinished(d)]
+    tracker = tracked.parent / TRACKER
+    if not older:
+        tracker.unlink()
+        return f"starting afresh (no complete checkpoint): {tracked} {_WHY}"
+    from recipes.dapo.saving import write_tracker
+
+    write_tracker(tracker, _step(older[-1]))
+    return f"resuming from {older[-1]}, the newest complete checkpoint: {tracked} {_WHY}"
 
 
 def check_resume(groups: dict[str, dict], cwd: Path) -> Path | None:

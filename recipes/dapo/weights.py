@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.qwen3_moe import Qwen3MoeSpec
-from converters.convert import HF_CONFIG  # the config.json copy the export reads
+from converters.convert import HF_CONFIG  # noqa: F401  (the config.json copy the export reads)
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
@@ -33,30 +33,46 @@ MODEL_DIR = "model/dist_ckpt"  # verl's layout, which converters.dist_read finds
 
 
 def hf_tensors(
-    module, groups: ProcessGroups, spec: Qwen3MoeSpec, headers: dict | None = None
+    module,
+    groups: ProcessGroups,
+    spec: Qwen3MoeSpec,
+    headers: dict | None = None,
+    bucket_bytes: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF hub name, full tensor) per tensor of the whole model on every rank, for rollout
     weight sync (vLLM's names). Collective: every rank iterates to the end.
 
-    headers: a dict the caller keeps between calls (see all_stages)."""
+    headers: a dict the caller keeps between calls (see all_stages). bucket_bytes: gather in
+    buckets of at most that many bytes of full tensors (converters.buckets; 0: per tensor).
+    The names, values and order are the same either way."""
     rows = {mcore: (row, hf) for row, mcore, hf in expand_table(spec)}
-    for key, tensor in all_stages(module, groups, spec, headers if headers is not None else {}):
+    stream = all_stages(module, groups, spec, headers if headers is not None else {}, bucket_bytes)
+    for key, tensor in stream:
         row, hf_names = rows[key]
         yield from zip(hf_names, split_row(row, tensor, spec), strict=True)
 
 
 def all_stages(
-    module, groups: ProcessGroups, spec: Qwen3MoeSpec, headers: dict
+    module, groups: ProcessGroups, spec: Qwen3MoeSpec, headers: dict, bucket_bytes: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """converters.sharding.iter_full of every pipeline stage, one tensor at a time: stage s
-    gathers each tensor over TP/EP and broadcasts it over its PP group, stage after stage.
+    """converters.sharding.iter_full of every pipeline stage: stage s gathers its tensors over
+    TP/EP and broadcasts them over its PP group, stage after stage; one tensor at a time, or
+    (bucket_bytes > 0) one bucket at a time (converters.buckets).
 
     The receivers need each tensor's (name, shape, dtype) first: the first sync sends them
-    one by one with the tensor and `headers[s]` keeps stage s's list, so later syncs send
-    only tensors (the list is fixed by the model and plan)."""
+    with the tensors and `headers` keeps each stage's list, so later syncs send only tensors
+    (the list is fixed by the model and plan)."""
+    from converters.buckets import iter_full_buckets
+
     pp = groups.size("pp")
     if pp == 1:
-        yield from iter_full(module, groups, spec)
+        if bucket_bytes > 0:
+            yield from iter_full_buckets(module, groups, spec, bucket_bytes)
+        else:
+            yield from iter_full(module, groups, spec)
+        return
+    if bucket_bytes > 0:
+        yield from _stages_in_buckets(module, groups, spec, headers, bucket_bytes)
         return
     device = next(module.parameters()).device
     for stage in range(pp):
@@ -81,11 +97,42 @@ def all_stages(
             yield key, tensor
 
 
-def _stage_headers(headers: dict, stage: int, src: int, group) -> Iterator[tuple]:
-    """Stage `stage`'s (name, shape, dtype) list: kept from an earlier sync, or received
-    one by one (the sender's end mark is None) and kept."""
-    if stage in headers:
-        yield from headers[stage]
+def _stages_in_buckets(module, groups: ProcessGroups, spec, headers: dict, bucket_bytes: int):
+    """all_stages with one broadcast per bucket: the stage's bucket packed into one buffer
+    (converters.buckets.pack); the first sync sends each bucket's tensor list before it."""
+    from converters.buckets import iter_buckets, layout, pack, unpack
+
+    device = next(module.parameters()).device
+    for stage in range(groups.size("pp")):
+        src, key = dist.get_global_rank(groups.pp, stage), ("buckets", stage)
+        if stage == groups.rank("pp"):
+            sent, lists = headers.get(key), []
+            for bucket in iter_buckets(module, groups, spec, bucket_bytes):
+                buffer, places = pack([t for _, t in bucket])
+                names = [k for k, _ in bucket]
+                header = [(k, p[2], p[3]) for k, p in zip(names, places, strict=True)]
+                if sent is None:
+                    dist.broadcast_object_list([header], src=src, group=groups.pp)  # our tuples
+                dist.broadcast(buffer, src=src, group=groups.pp)
+                lists.append(header)
+                yield from bucket
+            if sent is None:
+                dist.broadcast_object_list([None], src=src, group=groups.pp)
+            headers[key] = lists
+            continue
+        for header in _stage_headers(headers, key, src, groups.pp):
+            total, places = layout([(shape, dtype) for _, shape, dtype in header])
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            dist.broadcast(buffer, src=src, group=groups.pp)
+            for (name, _, _), place in zip(header, places, strict=True):
+                yield name, unpack(buffer, place)
+
+
+def _stage_headers(headers: dict, key, src: int, group) -> Iterator:
+    """A stage's list (of tensors, or of buckets' tensor lists): kept from an earlier sync,
+    or received one entry at a time (the sender's end mark is None) and kept."""
+    if key in headers:
+        yield from headers[key]
         return
     received = []
     while True:
@@ -95,7 +142,7 @@ def _stage_headers(headers: dict, stage: int, src: int, group) -> Iterator[tuple
             break
         received.append(box[0])
         yield box[0]
-    headers[stage] = received
+    headers[key] = received
 
 
 # ---- load: HF or our checkpoint into this rank's shard ----------------------------------
@@ -109,17 +156,6 @@ def load_hf(module, hf_dir: str | Path, spec: Qwen3MoeSpec, groups: ProcessGroup
 
 
 # ---- checkpoints -----------------------------------------------------------------------
-
-
-def save_model(module, out: Path, hf_config: Path, device: str) -> None:
-    """megatron-core torch_dist checkpoint of this rank's shards (collective: every rank calls)."""
-    from megatron.core import dist_checkpointing
-
-    out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(module.sharded_state_dict(), str(out))
-    if dist.get_rank() == 0:
-        shutil.copyfile(hf_config, out / HF_CONFIG)
 
 
 def load_model(module, ckpt: Path) -> None:
@@ -177,6 +213,8 @@ def check_optim_dir(root: Path) -> None:
             "mcore_ep, which this engine does not unpickle: resume from its model weights only "
             "(checkpoint.load_contents=[model]) or export them (python -m converters mcore-to-hf)"
         )
+    if (optim / "dist_ckpt").is_dir():
+        check_complete([optim / "dist_ckpt"])
     if not (optim / "dist_ckpt" / ".metadata").is_file():
         raise CheckpointError(
             f"{optim} has no megatron-core optimizer checkpoint (dist_ckpt/.metadata): was the "
@@ -184,16 +222,29 @@ def check_optim_dir(root: Path) -> None:
         )
 
 
-def seal(root: Path, dirs: list[Path]) -> None:
-    """After every rank wrote: rank 0 hashes each checkpoint directory into its manifest.json
-    (converters.manifest; mcore-to-hf and resume check against it). Collective."""
-    from converters.manifest import write_manifest
+def is_complete(root: Path) -> bool:
+    """A saved actor checkpoint whose every torch_dist directory carries its manifest.json:
+    written to the end and sealed (recipes.dapo.saving). A save cut short has none."""
+    from converters.manifest import NAME
 
-    dist.barrier()
-    if dist.get_rank() == 0:
-        for d in dirs:
-            write_manifest(d, kind="mcore-torch_dist", source=str(root))
-    dist.barrier()
+    dirs = [d for d in (root / MODEL_DIR, root / OPTIM_STATE) if d.is_dir()]
+    return (root / MODEL_DIR).is_dir() and all((d / NAME).is_file() for d in dirs)
+
+
+def unfinished_error(where: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{where} was not completely written (no manifest.json: the run stopped while saving "
+        "it): resume from a complete checkpoint (trainer.resume_mode=auto picks the newest) "
+        "or from an earlier global_step_N (trainer.resume_from_path)"
+    )
+
+
+def check_complete(dirs: list[Path]) -> None:
+    from converters.manifest import NAME
+
+    for d in dirs:
+        if not (d / NAME).is_file():
+            raise unfinished_error(d)
 
 
 def is_sealed(root: Path) -> bool:
@@ -222,6 +273,7 @@ def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
     problem = [None]
     if dist.get_rank() == 0:
         try:
+            check_complete(dirs)
             if step_dir is not None:
                 check_data_state(step_dir)
             for d in dirs:
@@ -238,3 +290,12 @@ def prune(saved: list[Path], keep: int | None) -> None:
     """Remove the oldest saved actor checkpoints beyond `keep` (rank 0)."""
     while keep and keep > 0 and len(saved) > keep:
         shutil.rmtree(saved.pop(0), ignore_errors=True)
+
+
+def clear_for_save(root: Path) -> None:
+    """Rank 0 removes what an earlier save left in `root` (a half-written one of a stopped
+    run, or one this save replaces), so that no stale file mixes into its manifest.
+    Collective."""
+    if dist.get_rank() == 0 and root.exists():
+        shutil.rmtree(root)
+    dist.barrier()

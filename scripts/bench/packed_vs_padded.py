@@ -9,7 +9,9 @@ another, alternating, so both see the same machine state:
   micro-batches planned by --max-tokens (ppo_max_token_len_per_gpu) as the engine plans
   them (recipes.dapo.batches.plan_lengths: padded slots <= the budget; packed tokens <= the
   padded plan's largest micro-batch);
-- old log-probs: infer_batch (forward only) on the same batch.
+- old log-probs: infer_batch (forward only) on the same batch;
+- the packed-length ladder (--ladder, mcore_ep.packed_length_step: 512 on npu): the slots it
+  adds over packing without it and the distinct packed lengths it leaves (`ladder`).
 Both engines run our SDPA attention (the only one with a packed path). tokens/s counts real
 tokens only. Prints one JSON line; `ratio` = packed tokens/s / padded tokens/s per pass.
 
@@ -63,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--response-sigma", type=float, default=0.8)
     p.add_argument("--response-max", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--ladder", type=int, default=512, help="packed-length ladder step reported")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -114,9 +117,25 @@ def make_batch(lengths, vocab: int, max_tokens: int, seed: int):
     return data
 
 
-def padding_stats(data, max_tokens: int) -> dict:
+def ladder_stats(lengths: list[int], max_tokens: int, step: int) -> dict:
+    """The packed plan with its totals on a ladder of `step` tokens (mcore_ep
+    .packed_length_step): the slots it adds over packing without it, the shapes it leaves."""
+    from recipes.dapo.batches import micro_batch_slots, plan_lengths
+
+    slots = {}
+    for s in (1, step):
+        plans = plan_lengths(lengths, max_tokens, 1, True, s)
+        slots[s] = [micro_batch_slots([lengths[i] for i in p], s, True) for p in plans]
+    return {
+        "step": step,
+        "extra_slot_share": (sum(slots[step]) - sum(slots[1])) / sum(lengths),
+        "packed_lengths": {"without": len(set(slots[1])), "with": len(set(slots[step]))},
+    }
+
+
+def padding_stats(data, max_tokens: int, ladder: int = 1) -> dict:
     """Micro-batches and padded-token share of the padded plan vs the packed one (the engine's
-    planner at world 1, tp 1)."""
+    planner at world 1, tp 1), and what a packed-length ladder adds."""
     from recipes.dapo.batches import _lengths, micro_batch_slots, packed_slot_budget, plan_lengths
 
     lengths = _lengths(data["input_ids"]).tolist()
@@ -134,6 +153,7 @@ def padding_stats(data, max_tokens: int) -> dict:
         "padded_token_share": 1 - sum(lengths) / sum(slots),
         "real_tokens": sum(lengths),
         "per_micro_batch": per_mb,
+        "ladder": ladder_stats(lengths, max_tokens, ladder),
     }
 
 
@@ -238,7 +258,7 @@ def main(argv=None) -> dict:
         return {}
     lengths = dapo_lengths(args)
     data = make_batch(lengths, MODEL["vocab_size"], args.max_tokens, args.seed)
-    stats = padding_stats(data, args.max_tokens)
+    stats = padding_stats(data, args.max_tokens, args.ladder)
     result = {
         "lengths": {"rows": args.rows, "tokens": stats["real_tokens"], "longest": max(a + b for a, b in lengths)},
         **stats,
