@@ -14,7 +14,7 @@ ratio background / in place (target <= 0.2), and the planning time (dist_checkpo
 until its request is returned, model and optimizer state) of the first save (a new plan)
 and of the timed background saves (cached).
 
-    python scripts/bench/save_blocking.py                       # hidden 512, 4 layers, 5 each
+    python scripts/bench/save_blocking.py                       # hidden 1024, 4 layers, 5 each
     python scripts/bench/save_blocking.py --hidden 256 --saves 3 --out save.json
 """
 
@@ -115,7 +115,7 @@ def _run(args, work: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--saves", type=int, default=5, help="timed saves per mode")
