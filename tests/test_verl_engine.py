@@ -231,13 +231,22 @@ def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
     assert all(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
 
 
-def test_router_aux_loss_on_adds_its_metrics(make_engine):
-    engine = make_engine(aux_loss={"mode": "on", "type": "global_batch", "coeff": 1e-2})
-    data = make_batch()
-    _on_policy(engine, data)
-    out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
-    assert out["metrics"]["moe/aux_loss/applied"] == [1.0]
-    assert out["metrics"]["moe/aux_loss/load_balancing/mean"][0] > 0
+@pytest.mark.parametrize("kind", ["sequence", "global_batch"])
+def test_router_aux_loss_adds_the_reference_gradient(make_engine, world1, tiny_hf_dir, kind):
+    """(aux on) - (aux off) of the router gradients under verl's DAPO loss, at world 1, is
+    the aux loss's gradient written out by hand (tests/aux_gradient.py), and the logged
+    per-layer values are its values. Catches the aux gradient scaled to 0 (the scale passed
+    to backend.aux_loss.attach.with_aux_grad) or never attached, a wrong loss formula."""
+    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.aux_gradient import reference as aux_reference
+
+    data, loss_fn = make_batch(), partial(ppo_loss, config=dapo_actor_config())
+    off = make_engine()
+    _on_policy(off, data)
+    grads_off = reduced_router_grads(off, data, loss_fn)
+    on = reduced_router_grads(make_engine(aux_loss=aux_settings(kind)), data, loss_fn)
+    assert on[0]["moe/aux_loss/applied"] == [1.0]
+    assert_aux_gradient(on, grads_off, aux_reference(world1, tiny_hf_dir, kind, data))
 
 
 GLOBAL_BATCH = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
