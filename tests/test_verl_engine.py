@@ -252,17 +252,25 @@ def test_router_aux_loss_adds_the_reference_gradient(make_engine, world1, tiny_h
 GLOBAL_BATCH = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
 
 
-def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(make_engine):
+def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(
+    make_engine, world1, tiny_hf_dir
+):
     """One update per trainer step (the weights of the old-log-prob pass): the f counts the
     update uses are the old-log-prob pass's, and equal the counting pass's, exactly; so are
-    the aux loss and every gradient."""
-    runs = {}
+    the aux loss and every gradient, and the router gradient the aux loss adds is the
+    reference's (tests/aux_gradient.py). Catches stale or partial counts (a difference), and
+    an aux gradient that never reaches the routers (scaled to 0: both runs would agree)."""
+    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.aux_gradient import reference as aux_reference
+
+    runs, loss_fn = {}, partial(ppo_loss, config=dapo_actor_config())
     for counts in ("counting_pass", "old_log_prob"):
-        engine, data = make_engine(aux_loss={**GLOBAL_BATCH, "global_counts": counts}), make_batch()
+        engine = make_engine(aux_loss=aux_settings("global_batch", global_counts=counts))
+        data = make_batch()
         _on_policy(engine, data)
         hook = engine.routing.hook
         old = hook.step_counts
-        out, grads = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+        out, grads = _engine_grads(engine, data, loss_fn)
         runs[counts] = (old, (hook._count_LE, hook._count_tokens_L), out["metrics"], grads)
     (no_old, counted, metrics, grads), (old, used, olp_metrics, olp_grads) = runs.values()
     assert no_old is None
@@ -272,6 +280,9 @@ def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(make_e
     assert olp_metrics[key] == metrics[key] and metrics[key][0] > 0
     assert olp_grads.keys() == grads.keys()
     assert all(torch.equal(olp_grads[n], grads[n]) for n in grads)
+    off = reduced_router_grads(make_engine(), data, loss_fn)  # the old-log-prob counts kept
+    on = reduced_router_grads(engine, data, loss_fn)
+    assert_aux_gradient(on, off, aux_reference(world1, tiny_hf_dir, "global_batch", data))
 
 
 def test_old_log_prob_counts_serve_one_trainer_step(make_engine):
