@@ -75,9 +75,11 @@ def reference(world1, hf_dir, kind: str, data) -> tuple[dict, dict[str, torch.Te
     return values, {n: g for n, g in grads.items() if ".router." in n}
 
 
-def assert_aux_gradient(on, off, ref, where: str = "") -> None:
-    """on, off: reduced_router_grads of aux on / off; ref: reference()."""
+def assert_aux_gradient(on, off, ref, where: str = "", dp: int = 1) -> None:
+    """on, off: reduced_router_grads of aux on / off; ref: reference(). The backward carried
+    the aux gradient at scale dp (megatron-core's DDP averages over DP)."""
     (metrics, grads_on), (_, grads_off), (ref_values, ref_grads) = on, off, ref
+    assert metrics["moe/aux_loss/grad_scale"] == [float(dp)], where
     for layer, (lb, z) in ref_values.items():
         for name, value in (("load_balancing", lb), ("z_loss", z)):
             got = metrics[f"moe/aux_loss/{name}/layer_{layer}"][0]
