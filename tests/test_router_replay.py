@@ -115,6 +115,14 @@ def forced_mismatches(watch: Watch) -> tuple[int, int, int]:
     return checked, wrong, recomputes
 
 
+def fed_router_tokens(recompute: bool = False) -> int:
+    """Router-call tokens one DP replica's marked_batch feeds a pass: every row but its last
+    token (LENGTHS), in each layer; with full recompute the update's replays again."""
+    from tests.test_verl_engine import LENGTHS
+
+    return LAYERS * sum(p + r - 1 for p, r in LENGTHS) * (2 if recompute else 1)
+
+
 def sum_loss(model_output, data, dp_group=None):
     """A loss whose gradient reaches every router: the sum of the response log-probs."""
     return model_output["log_probs"].values().sum(), {}
@@ -139,7 +147,11 @@ def r3_update_rank(rank, hf_dir, tp, ep, recompute):
     with engine.train_mode():
         engine.optimizer_zero_grad()
         engine.forward_backward_batch(data, sum_loss)
-    return {"old_log_prob": old, "update": forced_mismatches(watch)}
+    return {
+        "old_log_prob": old,
+        "update": forced_mismatches(watch),
+        "dp_rank": engine.get_data_parallel_rank(),
+    }
 
 
 @pytest.fixture
@@ -150,10 +162,15 @@ def engine_of(world1, tiny_hf_dir, monkeypatch):
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 def test_r3_routes_every_fed_token_as_the_rollout(world1, tiny_hf_dir, monkeypatch, recompute):
+    """Every token the rollout fed, counted exactly, in both passes (and recompute's replays).
+    Catches a fed token the router never routes as a real one (each row's first token
+    marked as padding in the micro-batch's mask): no mismatch there, fewer checked than fed."""
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     result = r3_update_rank(0, str(tiny_hf_dir), 1, 1, recompute)
-    for phase, (checked, wrong, _) in result.items():
-        assert checked > 0 and wrong == 0, f"{phase}: {wrong} of {checked} tokens off the rollout"
+    for phase in ("old_log_prob", "update"):
+        checked, wrong, _ = result[phase]
+        fed = fed_router_tokens(recompute and phase == "update")
+        assert (checked, wrong) == (fed, 0), f"{phase}: {wrong} of {checked} off, {fed} fed"
     assert (result["update"][2] > 0) == recompute  # recompute's replays were checked too
 
 
@@ -387,8 +404,13 @@ def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
     for (tp, ep, _), results in zip(
         plans, run_plans(r3_update_rank, 2, plans, str(tiny_hf_dir)), strict=True
     ):
-        for rank, result in enumerate(results):
-            for phase, (checked, wrong, _) in result.items():
+        for phase in ("old_log_prob", "update"):
+            # each rank checks its sequence-parallel slice: a DP replica's ranks add up
+            checked: dict[int, int] = {}
+            for rank, result in enumerate(results):
+                seen, wrong, recomputes = result[phase]
                 where = f"tp={tp} ep={ep} rank {rank} {phase}"
-                assert checked > 0 and wrong == 0, f"{where}: {wrong} of {checked} off"
-            assert result["update"][2] > 0, f"tp={tp} ep={ep} rank {rank}"
+                assert wrong == 0 and (phase == "old_log_prob" or recomputes > 0), where
+                checked[result["dp_rank"]] = checked.get(result["dp_rank"], 0) + seen
+            fed = fed_router_tokens(phase == "update")
+            assert checked == dict.fromkeys(checked, fed), f"tp={tp} ep={ep} {phase}: {checked}"
