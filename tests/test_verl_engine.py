@@ -329,8 +329,10 @@ def test_per_tensor_param_streams_the_hf_checkpoint(make_engine, tiny_hf_dir):
 
 @pytest.mark.parametrize("fast", [False, True], ids=["mcore-local", "grouped-sdpa"])
 def test_checkpoint_round_trip_and_export_with_our_converter(
-    make_engine, tiny_hf_dir, tmp_path, fast
+    make_engine, tiny_hf_dir, tmp_path, fast, caplog
 ):
+    """Save, export, load: the same tensors each way; the load's log line names the
+    checkpoint's step, update and the loaded weights' norm (a no-op load logs the HF one)."""
     from converters.cli import main as converters_main
 
     engine, data = make_engine(fast=fast), make_batch()
@@ -367,6 +369,9 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
 
     fresh = make_engine(fast=fast)
     fresh.load_checkpoint(str(root))
+    step, update, norm = loaded_line(caplog.text, root)
+    assert (step, update) == (1, 1)
+    assert norm == pytest.approx(weights_norm_of(trained.values()), rel=1e-9)
     assert dict(fresh.get_per_tensor_param()[0]).keys() == trained.keys()
     for name, tensor in fresh.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
@@ -382,6 +387,25 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     weights.load_model(other.module, root / weights.MODEL_DIR)
     for name, tensor in other.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
+
+
+def loaded_line(log: str, root) -> tuple[int, int, float]:
+    """(global step, optimizer update, weights norm) of the engine's line on loading root."""
+    import re
+
+    found = re.findall(
+        rf"mcore_ep: resumed from {re.escape(str(root))}: global step (\d+), optimizer update "
+        r"(\d+), weights norm (\S+) ",
+        log,
+    )
+    assert len(found) == 1, f"{len(found)} load lines for {root}"
+    step, update, norm = found[0]
+    return int(step), int(update), float(norm)
+
+
+def weights_norm_of(tensors) -> float:
+    """L2 norm of all the tensors together, in float64."""
+    return sum(float(t.double().square().sum()) for t in tensors) ** 0.5
 
 
 def test_checkpoint_from_another_plan_is_refused_with_one_line(make_engine, tmp_path):

@@ -594,6 +594,19 @@ class McoreEpEngine(BaseEngine):
             self._saved.append(root)
             weights.prune(self._saved, max_ckpt_to_keep)
 
+    def _log_loaded(self, root: Path, meta: dict) -> None:
+        """One line on rank 0 of what the load left in the engine: the checkpoint's global step
+        (meta.json), the optimizer's update count and its weights' norm (rank 0's shards), so
+        a resumed run shows it starts from the checkpoint, not from the HF weights."""
+        if dist.get_rank() != 0:
+            return
+        norm = weights.weights_norm(self.module)
+        update = self.optim.updates if self.optim else None
+        logger.warning(
+            "mcore_ep: resumed from %s: global step %s, optimizer update %s, weights norm "
+            "%.9e (rank 0's parameters)", root, meta.get("global_step"), update, norm,
+        )  # fmt: skip
+
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         root = Path(local_path)
         meta = weights.read_meta(root)
@@ -622,6 +635,7 @@ class McoreEpEngine(BaseEngine):
             self.optim.reload_model_params()
         if with_optim:
             self.optim.load(root / weights.OPTIM_DIR)
+        self._log_loaded(root, meta)
         # as verl's megatron engine: the loaded state goes back to the host until it is used
         self.offload(
             model=self.is_param_offload_enabled,

@@ -134,6 +134,16 @@ def load_model(module, ckpt: Path) -> None:
     module.load_state_dict(state)
 
 
+def weights_norm(module) -> float:
+    """L2 norm of this rank's parameters, accumulated in float64 a slice at a time (no
+    full-size copy): the resume log line's fingerprint of what a load left in the model."""
+    total = 0.0
+    for param in module.parameters():
+        for part in param.detach().reshape(-1).split(1 << 24):
+            total += float(part.double().square().sum())
+    return total**0.5
+
+
 def save_meta(root: Path, global_step: int, plan: dict[str, int], experts: str) -> None:
     """experts: the module the optimizer state belongs to (model weights load into either)."""
     body = {"format": FORMAT, "global_step": global_step, "plan": plan, "experts": experts}
