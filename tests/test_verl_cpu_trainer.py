@@ -93,29 +93,95 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     assert "export reloads in transformers" in proc.stdout
 
 
+def _tagged_train_data(src: Path, out: Path) -> int:
+    """src's train.parquet with each prompt prefixed by its row ("17*3+3="): the rows a run
+    trains on can be read from its rollout dump. Same rows, order and length; the row count."""
+    import pandas as pd
+
+    train = pd.read_parquet(src / "train.parquet")
+    train["prompt"] = [
+        [{**turn, "content": f"{row}*{turn['content']}"} for turn in prompt]
+        for row, prompt in enumerate(train["prompt"])
+    ]
+    out.mkdir(parents=True)
+    train.to_parquet(out / "train.parquet")
+    shutil.copy(src / "val.parquet", out / "val.parquet")
+    return len(train)
+
+
+def _sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
+    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
+    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
+    import torch
+
+    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
+    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
+    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
+
+
+def _trained_rows(dump: Path) -> set[int]:
+    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
+    import re
+
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
+
+
+def _checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
+    """The checkpoint's weights' L2 norm, read by the converters (not megatron-core)."""
+    from converters.cli import main as converters_main
+    from converters.hf_io import read_state_dict
+    from tests.test_verl_engine import weights_norm_of
+
+    argv = ["mcore-to-hf", str(actor), str(tmp), "--template", str(template), "--no-progress"]
+    assert converters_main(argv) == 0
+    return weights_norm_of(read_state_dict(tmp).values())
+
+
 @pytest.mark.trainer_flow
 def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
-    """A run killed after its step-2 save: resume_mode=auto loads it and trains step 3.
+    """A run killed after its step-2 save: resume_mode=auto loads it and trains step 3, from
+    inside the resumed run: the engine's load line names the checkpoint's step and update
+    and its weights' norm (read from the files by the converters), and the prompts of step 3
+    are the dataloader's next ones after the killed run's position (data.pt). Catches a
+    no-op load (model and optimizer state not read: the HF weights' norm, update 0) and a
+    dataloader not restored (data.pt missing: step 3 draws the epoch's first prompts again).
 
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
+    from tests.test_verl_engine import loaded_line
+
     src, _ = run3
     out = tmp_path / "resumed"
     shutil.copytree(src / "tiny_hf", out / "tiny_hf")
-    shutil.copytree(src / "data", out / "data")
-    shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
+    train_rows = _tagged_train_data(src / "data", out / "data")
+    saved = out / "checkpoints" / "global_step_2"
+    shutil.copytree(src / "checkpoints" / "global_step_2", saved)
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    drawn, order = _sampler_state(saved / "data.pt", train_rows)  # where the killed run was
     rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
     (out / "metrics").mkdir()
     (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
-    proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
+    dump = out / "rollouts"
+    proc = launch(out, "--resume", "--steps", "3",
+                  overrides=("trainer.save_freq=2", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
     assert proc.returncode == 0
-    assert "Resuming from" in proc.stdout + proc.stderr
+    step, update, norm = loaded_line(proc.stdout + proc.stderr, saved / "actor")
+    schedule = json.loads((saved / "actor/optim/dist_ckpt/schedule.json").read_text())
+    assert (step, update) == (2, schedule["updates"]) and update > 0
+    assert norm == pytest.approx(
+        _checkpoint_norm(saved / "actor", src / "tiny_hf", tmp_path / "hf"), rel=1e-9
+    )
+    drawn_after, _ = _sampler_state(out / "checkpoints/global_step_3/data.pt", train_rows)
+    positions = sorted(order.index(row) for row in _trained_rows(dump / "3.jsonl"))
+    assert len(positions) == 8 and drawn <= positions[0] and positions[-1] < drawn_after, (
+        f"step 3 trained the prompts at positions {positions}; the killed run had drawn "
+        f"{drawn}, the resumed one {drawn_after}"
+    )
     resumed = history(out)
     assert sorted(resumed) == [1, 2, 3]
-    # step 3 ran on the checkpoint's weights: the rollout got them through the sync after
-    # the load, and the actor's log-probs agree with the rollout's
+    # the rollout got the loaded weights through the sync: its log-probs are the actor's
     assert resumed[3]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
     assert resumed[3]["training/global_step"] == 3
     assert (
