@@ -12,12 +12,13 @@ peak (model_bytes); --chunk-mib sets the lean head's chunk buffer (a toy size th
 splits T into chunks).
 
 Peak memory: each (head, pass, T) runs in its own process, and its peak activation memory is
-that process's ru_maxrss (the kernel's high-water mark of resident memory) minus its resident
-memory just before the pass, with model, inputs and libraries loaded. torch's CPU allocator
-has no cache (every tensor is a malloc), and MALLOC_MMAP_THRESHOLD_ (fixed at 1 MiB in the
-children) makes glibc map every tensor above it on its own and unmap it when freed, so
-resident memory follows the live tensors. A pass whose peak does not rise above the
-process's earlier high-water mark is reported as unmeasured. Time: wall time of the pass,
+that process's high-water mark of resident memory (VmHWM, reset just before the pass through
+/proc/self/clear_refs) minus its resident memory just before the pass, with model, inputs and
+libraries loaded. torch's CPU allocator has no cache (every tensor is a malloc), and
+MALLOC_MMAP_THRESHOLD_ (fixed at 1 MiB in the children) makes glibc map every tensor above it
+on its own and unmap it when freed, so resident memory follows the live tensors. Where the
+mark cannot be reset (ru_maxrss then), a pass whose peak does not rise above the process's
+earlier high-water mark is reported as unmeasured. Time: wall time of the pass,
 the best of --repeats runs after the measured one (a shared machine: expect noise).
 
     python scripts/bench/logprob_heads.py                      # V 16384, T 8K, 16K, 32K
@@ -63,7 +64,23 @@ def _rss_bytes() -> int:
 
 
 def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """The kernel's resident high-water mark of this process: VmHWM (which _reset_peak resets),
+    or ru_maxrss where /proc has no status."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current resident memory (Linux: "5" to clear_refs), so the pass's own
+    peak is measured even below the set-up's (the model build, the hidden states' forward)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then a pass below the earlier high-water mark reports no peak
 
 
 def build(args):
@@ -139,6 +156,7 @@ def child(args) -> dict:
         with torch.no_grad():
             hidden_SBH = forward_hidden(model, ids_BS)
     gc.collect()
+    _reset_peak()
     before, high_before = _rss_bytes(), _max_rss_bytes()
     start = time.perf_counter()
     run_pass(model, ids_BS, head, which, args.temperature, hidden_SBH)
@@ -222,7 +240,7 @@ def main(argv=None) -> list[dict]:
     print(
         f"log-prob heads, fp32 CPU, one-layer Qwen3-MoE, V {args.vocab}, hidden {args.hidden}, "
         f"rows of {args.seq}, temperature {args.temperature}, scope {args.scope}; peak = "
-        "ru_maxrss - RSS before the pass, one process each; ratios lean / full"
+        "resident high-water mark - RSS before the pass, one process each; ratios lean / full"
     )
     results = [measure(args, h, w, t) for t in tokens for w in PASSES for h in HEADS]
     print("\n".join(report(results)))
