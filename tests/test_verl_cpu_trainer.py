@@ -8,6 +8,7 @@ A few steps each; the learning curve itself is measured by the main command (REA
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,12 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     assert "export reloads in transformers" in proc.stdout
 
 
-def _tagged_train_data(src: Path, out: Path) -> int:
+# The resume checks, as helpers another launch can call: tag the training prompts before the
+# killed run, read its dataloader position from a save, then check the resumed run's load line
+# and the prompts of its first step.
+
+
+def tagged_train_data(src: Path, out: Path) -> int:
     """src's train.parquet with each prompt prefixed by its row ("17*3+3="): the rows a run
     trains on can be read from its rollout dump. Same rows, order and length; the row count."""
     import pandas as pd
@@ -109,7 +115,7 @@ def _tagged_train_data(src: Path, out: Path) -> int:
     return len(train)
 
 
-def _sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
+def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
     """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
     (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
     import torch
@@ -119,15 +125,13 @@ def _sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
     return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
 
 
-def _trained_rows(dump: Path) -> set[int]:
+def trained_rows(dump: Path) -> set[int]:
     """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
-    import re
-
     lines = [json.loads(line) for line in dump.read_text().splitlines()]
     return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
 
 
-def _checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
+def checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
     """The checkpoint's weights' L2 norm, read by the converters (not megatron-core)."""
     from converters.cli import main as converters_main
     from converters.hf_io import read_state_dict
@@ -138,27 +142,54 @@ def _checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
     return weights_norm_of(read_state_dict(tmp).values())
 
 
+def check_resumed_weights(log: str, saved: Path, step: int, template: Path, tmp: Path) -> None:
+    """The engine's load line in `log` names `saved` (a global_step_N folder): its global
+    step, the optimizer update its schedule recorded, and the norm of its weights as the
+    converters read them (a no-op load: update 0 and the HF weights' norm)."""
+    from tests.test_verl_engine import loaded_line
+
+    loaded_step, update, norm = loaded_line(log, saved / "actor")
+    schedule = json.loads((saved / "actor/optim/dist_ckpt/schedule.json").read_text())
+    assert (loaded_step, update) == (step, schedule["updates"]) and update > 0
+    assert norm == pytest.approx(checkpoint_norm(saved / "actor", template, tmp), rel=1e-9)
+
+
+def check_resumed_prompts(
+    killed: tuple[int, list[int]], resumed: Path, dump: Path, rows: int, batch: int = 8
+) -> None:
+    """The first resumed step trained (rollout dump `dump`) the `batch` prompts after the
+    killed run's position (`killed`: its save's sampler_state) and before the resumed save's
+    (`resumed`: a global_step_N folder): the dataloader state was restored (without data.pt
+    the epoch starts again: the first prompts)."""
+    drawn, order = killed
+    drawn_after, _ = sampler_state(resumed / "data.pt", rows)
+    positions = sorted(order.index(row) for row in trained_rows(dump))
+    assert len(positions) == batch and drawn <= positions[0] and positions[-1] < drawn_after, (
+        f"the resumed step trained the prompts at positions {positions}; the killed run had "
+        f"drawn {drawn}, the resumed one {drawn_after}"
+    )
+
+
 @pytest.mark.trainer_flow
 def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     """A run killed after its step-2 save: resume_mode=auto loads it and trains step 3, from
     inside the resumed run: the engine's load line names the checkpoint's step and update
     and its weights' norm (read from the files by the converters), and the prompts of step 3
     are the dataloader's next ones after the killed run's position (data.pt). Catches a
-    no-op load (model and optimizer state not read: the HF weights' norm, update 0) and a
-    dataloader not restored (data.pt missing: step 3 draws the epoch's first prompts again).
+    no-op load (recipes/dapo/engine.py's load_checkpoint reading neither model nor optimizer
+    state: update 0, the HF weights' norm) and a dataloader not restored (the save's data.pt
+    missing: step 3 draws the epoch's first prompts again).
 
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
-    from tests.test_verl_engine import loaded_line
-
     src, _ = run3
     out = tmp_path / "resumed"
     shutil.copytree(src / "tiny_hf", out / "tiny_hf")
-    train_rows = _tagged_train_data(src / "data", out / "data")
+    train_rows = tagged_train_data(src / "data", out / "data")
     saved = out / "checkpoints" / "global_step_2"
     shutil.copytree(src / "checkpoints" / "global_step_2", saved)
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
-    drawn, order = _sampler_state(saved / "data.pt", train_rows)  # where the killed run was
+    killed = sampler_state(saved / "data.pt", train_rows)  # where the killed run was
     rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
     (out / "metrics").mkdir()
@@ -167,18 +198,8 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     proc = launch(out, "--resume", "--steps", "3",
                   overrides=("trainer.save_freq=2", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
     assert proc.returncode == 0
-    step, update, norm = loaded_line(proc.stdout + proc.stderr, saved / "actor")
-    schedule = json.loads((saved / "actor/optim/dist_ckpt/schedule.json").read_text())
-    assert (step, update) == (2, schedule["updates"]) and update > 0
-    assert norm == pytest.approx(
-        _checkpoint_norm(saved / "actor", src / "tiny_hf", tmp_path / "hf"), rel=1e-9
-    )
-    drawn_after, _ = _sampler_state(out / "checkpoints/global_step_3/data.pt", train_rows)
-    positions = sorted(order.index(row) for row in _trained_rows(dump / "3.jsonl"))
-    assert len(positions) == 8 and drawn <= positions[0] and positions[-1] < drawn_after, (
-        f"step 3 trained the prompts at positions {positions}; the killed run had drawn "
-        f"{drawn}, the resumed one {drawn_after}"
-    )
+    check_resumed_weights(proc.stdout + proc.stderr, saved, 2, src / "tiny_hf", tmp_path / "hf")
+    check_resumed_prompts(killed, out / "checkpoints/global_step_3", dump / "3.jsonl", train_rows)
     resumed = history(out)
     assert sorted(resumed) == [1, 2, 3]
     # the rollout got the loaded weights through the sync: its log-probs are the actor's
