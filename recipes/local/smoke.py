@@ -58,8 +58,7 @@ def main(argv=None) -> int:
     probe = counting_batch(2, args.seq, spec.vocab_size, gen)
     reference = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        diff = (forward_logits(model, probe) - reference(probe).logits).abs().max().item()
-    parity = diff
+        parity = (forward_logits(model, probe) - reference(probe).logits).abs().max().item()
     print(f"parity: max |mcore - transformers| logits = {parity:.2e}")
 
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
