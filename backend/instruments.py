@@ -14,8 +14,10 @@ loss's gradient scale.
 Routing replay (mcore_ep.router_replay, see recipes/README.md): the same tap forces the
 experts (backend.router_replay) where `set_routes` gives some; the monitor counts the
 experts actually used, the aux loss reads the router's own choice and probabilities. Two
-more listeners: RouteRecorder (R2: the old-log-prob pass's own routes) and AgreementMeter
-(the router's own top-k set vs the rollout's, `moe/routing_agreement/*`).
+more listeners: RouteRecorder (R2: the old-log-prob pass's own routes) and two
+AgreementMeters against the rollout's routes: the router's own top-k set in the old-log-prob
+pass (`moe/routing_agreement/*`) and the experts used in the update, after any replay
+(`moe/update_route_match/*`; 1.0 under R3).
 """
 
 import logging
@@ -71,11 +73,15 @@ class RouterInstruments:
         self.groups, self.replay_mode = groups, replay
         self.monitor = self.hook = None
         self.updates = 0
+        self.trainer_steps = 0  # ended so far (a resumed run starts at its checkpoint's)
+        self.run_name = str(monitor.get("run_name") or "")
         self.pending: dict[str, float] = {}  # old-log-prob metrics, reported with the update
         self.tap = RouterTap(module, groups, replay=replay != "disabled")
         self.agreement = AgreementMeter(spec.num_layers, spec.num_experts)
+        self.update_match = AgreementMeter(spec.num_layers, spec.num_experts, used=True)
         self.recorder = RouteRecorder(spec.top_k)
         self.tap.add_listener(self.agreement)
+        self.tap.add_listener(self.update_match)
         self.tap.add_listener(self.recorder)
         if replay != "disabled":
             logger.warning("mcore_ep: router replay %s", replay)
@@ -102,10 +108,14 @@ class RouterInstruments:
     @contextmanager
     def phase(self, name: str):
         """A forward pass of this phase: monitored; "old_log_prob" counts the aux loss's f
-        when it is taken from there."""
-        with self.monitor.phase(name) if self.monitor else nullcontext():
-            with self._step_counts() if name == "old_log_prob" else nullcontext():
-                yield
+        when it is taken from there, and its agreement; "update" its route match."""
+        self.agreement.on, self.update_match.on = name == "old_log_prob", name == "update"
+        try:
+            with self.monitor.phase(name) if self.monitor else nullcontext():
+                with self._step_counts() if name == "old_log_prob" else nullcontext():
+                    yield
+        finally:
+            self.agreement.on = self.update_match.on = False
 
     def _step_counts(self):
         if self.hook is None or not self.hook.config.counts_from_old_log_prob:
@@ -114,6 +124,7 @@ class RouterInstruments:
 
     def end_trainer_step(self) -> None:
         """After a trainer step's last update: its old-log-prob counts are spent."""
+        self.trainer_steps += 1
         if self.hook:
             self.hook.drop_old_log_prob_counts()
 
@@ -148,15 +159,18 @@ class RouterInstruments:
 
     def end_step(self) -> dict[str, float]:
         """Metrics of this optimizer step (collective over the world when instruments are on),
-        with the pending old-log-prob metrics (agreement, log-prob mismatch) of this step."""
+        with the pending old-log-prob metrics (agreement, log-prob mismatch) of this step and
+        its update's route match."""
         aux = self.hook.end_step() if self.hook else {}
         self.set_routes()
         self.tap.set_token_mask(None)
-        extra, self.pending = self.pending, {}
+        extra, self.pending = {**self.pending, **self.update_match.take(self.groups)}, {}
         if not self.monitor:
             return {**aux, **extra}
         self.updates += 1
-        return self.monitor.step_end(self.updates, aux_losses=aux, extra=extra)
+        return self.monitor.step_end(
+            self.updates, aux_losses=aux, extra=extra, trainer_step=self.trainer_steps + 1
+        )
 
     def add_warning(self, warning) -> None:
         """A backend.monitor RunWarning (e.g. the comm share's): one log line on the first
@@ -168,7 +182,8 @@ class RouterInstruments:
 
     def write_report(self, path, model: str) -> None:
         if self.monitor:
-            self.monitor.write_report(path, model=model, router_replay=self.replay_mode)
+            self.monitor.write_report(path, model=model, router_replay=self.replay_mode,
+                                      run=self.run_name, trainer_steps=self.trainer_steps)  # fmt: skip
 
 
 def _monitor(spec, groups: ProcessGroups, settings: dict, tap):

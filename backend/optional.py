@@ -3,13 +3,14 @@
 import importlib
 from types import ModuleType
 
+A2_SET = "an A2 set (`bash scripts/bootstrap.sh --target npu|npu-cann851` in its base image)"
 # module -> what to install; shown when the import fails
 INSTALL_HINTS = {
     "torch_npu": "the Ascend stack: CANN plus `pip install torch_npu` matching your torch",
-    "mindspeed": "MindSpeed 2.2.0 (`pip install -e .[npu]`, or from its repository)",
-    "mindspeed.megatron_adaptor": "MindSpeed 2.2.0 (`pip install -e .[npu]`, or from its repository)",
+    "mindspeed": f"MindSpeed with {A2_SET}",
+    "mindspeed.megatron_adaptor": f"MindSpeed with {A2_SET}",
     "vllm": "vLLM for rollouts (`pip install -e .[cuda]`)",
-    "vllm_ascend": "vllm-ascend for rollouts on Ascend (`pip install -e .[npu]`)",
+    "vllm_ascend": f"vllm-ascend for rollouts on Ascend, with {A2_SET}",
     "transformer_engine": "TransformerEngine (`pip install transformer_engine[pytorch]`)",
 }
 

@@ -151,17 +151,21 @@ class RouteRecorder:
 
 
 class AgreementMeter:
-    """Tap listener: per layer, the tokens whose own top-k SET equals the reference's."""
+    """Tap listener: per layer, the tokens whose top-k SET equals the reference's, counted
+    while `on`. used=False compares the router's own choice (`moe/routing_agreement`), True
+    the experts actually used, after any replay (`moe/update_route_match`)."""
 
-    def __init__(self, num_layers: int, num_experts: int):
-        self.num_experts = num_experts
+    def __init__(self, num_layers: int, num_experts: int, used: bool = False):
+        self.num_experts, self.used, self.on = num_experts, used, False
+        self.prefix = "moe/update_route_match" if used else "moe/routing_agreement"
         self.same_L = torch.zeros(num_layers, dtype=torch.int64)
         self.total_L = torch.zeros(num_layers, dtype=torch.int64)
 
     def __call__(self, call) -> None:
-        if call.recompute or call.reference_TK is None:
+        if not self.on or call.recompute or call.reference_TK is None:
             return
-        own_TE = call.chosen_map_TE.bool()
+        map_TE = call.routing_map_TE if self.used else call.chosen_map_TE
+        own_TE = map_TE.bool()
         ref_TE = indices_to_map_TE(call.reference_TK.to(own_TE.device, torch.long), own_TE.shape[1])
         counted_T = call.reference_T.to(own_TE.device)
         same_T = (own_TE == ref_TE).all(-1) & counted_T
@@ -174,22 +178,24 @@ class AgreementMeter:
         self.total_L[call.layer] += counted_T.sum()
 
     def take(self, groups) -> dict[str, float]:
-        """`moe/routing_agreement/...` over the whole world (every rank's router saw its own
-        tokens, as in the monitor); {} when nothing was compared. Resets the meter."""
+        """`<prefix>/...` over the whole world (every rank's router saw its own tokens, as in
+        the monitor); {} when nothing was compared. Resets the meter."""
         import torch.distributed as dist
 
         counts_2L = torch.stack((self.same_L, self.total_L))
         self.same_L, self.total_L = torch.zeros_like(self.same_L), torch.zeros_like(self.total_L)
         if groups is not None and dist.get_world_size(groups.world) > 1:
             dist.all_reduce(counts_2L, group=groups.world)
-        return agreement_metrics(counts_2L[0].cpu(), counts_2L[1].cpu())
+        return agreement_metrics(counts_2L[0].cpu(), counts_2L[1].cpu(), self.prefix)
 
 
-def agreement_metrics(same_L: torch.Tensor, total_L: torch.Tensor) -> dict[str, float]:
+def agreement_metrics(
+    same_L: torch.Tensor, total_L: torch.Tensor, prefix: str = "moe/routing_agreement"
+) -> dict[str, float]:
     if int(total_L.sum()) == 0:
         return {}
     share_L = same_L.double() / total_L.clamp_min(1).double()
-    out = {f"moe/routing_agreement/layer_{i:02d}": float(v) for i, v in enumerate(share_L)}
-    out["moe/routing_agreement/mean"] = float(share_L.mean())
-    out["moe/routing_agreement/min"] = float(share_L.min())
+    out = {f"{prefix}/layer_{i:02d}": float(v) for i, v in enumerate(share_L)}
+    out[f"{prefix}/mean"] = float(share_L.mean())
+    out[f"{prefix}/min"] = float(share_L.min())
     return out

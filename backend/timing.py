@@ -300,8 +300,49 @@ def add_steps(total: dict[str, float], step: dict[str, float]) -> dict[str, floa
     return {**out, share: comm_share(out)}
 
 
-def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = COMM_SHARE_WARN):
-    """A RunWarning when timing/comm_share is above `threshold`, else None.
+@dataclass(frozen=True)
+class CommLayout:
+    """Where the job's ranks are: what the communication advice depends on.
+
+    spanning: the parallel groups (e.g. "tp", "ep") whose ranks are on more than one node."""
+
+    world: int
+    nodes: int = 1
+    spanning: tuple[str, ...] = ()
+
+    def advice(self) -> str:
+        if self.spanning:
+            return (f"{'/'.join(self.spanning)} groups span nodes: keep EP and TP inside a "
+                    "node, overlap grad reduction")  # fmt: skip
+        if self.world == 1:
+            return ("one rank, no collective: weight_sync is the local gather and renaming of "
+                    "the weights for the rollout; sync fewer, larger buckets")  # fmt: skip
+        where = "one node" if self.nodes == 1 else f"{self.nodes} nodes, every TP/EP group in one"
+        return (f"{where}: overlap grad reduction with backward, fewer and larger weight-sync "
+                "buckets, longer micro-batches")  # fmt: skip
+
+
+def comm_layout(groups) -> CommLayout:
+    """This job's CommLayout from its ranks' host names (collective over the world: every rank
+    calls it; backend.distributed.ProcessGroups)."""
+    import socket
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size(groups.world)
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=groups.world)
+    spanning = tuple(
+        name for name in ("tp", "ep", "etp")
+        if len({hosts[r] for r in dist.get_process_group_ranks(getattr(groups, name))}) > 1
+    )  # fmt: skip
+    return CommLayout(world, len(set(hosts)), spanning)
+
+
+def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = COMM_SHARE_WARN,
+                       layout: CommLayout | None = None):  # fmt: skip
+    """A RunWarning when timing/comm_share is above `threshold`, else None; its advice follows
+    `layout` (nodes spanned or not), or is the general one without it.
 
     For the run summary pass `timer.run_metrics()`; for the routing report hand the result
     to `ExpertLoadMonitor.add_warning`."""
@@ -313,10 +354,10 @@ def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = 
     parts = ", ".join(
         f"{name} {metrics.get(f'{PREFIX}/{name}_s', 0.0):.3g}s" for name in COMM_SECTIONS
     )
+    advice = layout.advice() if layout else "keep EP and TP inside a node, overlap grad reduction"
     text = (
         f"communication takes {share:.0%} of the step (over {threshold:.0%}): {parts} of "
-        f"{metrics.get(f'{PREFIX}/step_s', 0.0):.3g}s; fix communication first (keep EP and TP "
-        "inside a node, overlap grad reduction)"
+        f"{metrics.get(f'{PREFIX}/step_s', 0.0):.3g}s; fix communication first ({advice})"
     )
     return RunWarning("comm_share", step, text, {"comm_share": share, "threshold": threshold})
 

@@ -12,11 +12,19 @@ attribute lookup: no module-wide admission, and no dotted names (pickle protocol
 resolve `("torch.distributed.checkpoint.filesystem", "os.mkdir")` to `os.mkdir`). Every
 callable an unpickler can call (REDUCE, NEWOBJ, BUILD) comes from `find_class`, so the list
 bounds what runs: dataclass constructors, `set`, `OrderedDict`, a layout lookup.
+
+`check_torch_save(path)` does the same for a whole torch.save file that another program will
+`torch.load(weights_only=False)` (verl's dataloader state, `data.pt`): it must be the zip
+archive torch.save writes, not TorchScript (which torch.load hands to torch.jit.load), and its
+`data.pkl` may build only containers and CPU uint8 tensors (TORCH_SAVE_ALLOWED).
 """
 
 import importlib
 import io
 import pickle
+import re
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -129,14 +137,22 @@ def check_metadata(path: str | Path) -> None:
     load_metadata(path)
 
 
+# torch's refusal names what it met ("... unsupported GLOBAL posix.system ..."); the rest of its
+# message advises `weights_only=False`, the wrong thing to tell about a crafted file
+_TORCH_REFUSED = re.compile(r"GLOBAL ([\w.]+)|(Unsupported operand \d+)")
+
+
 def load_weights_only(data: bytes, what: str):
     """A torch.save'd object through torch's own allow-list (`weights_only=True`)."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        met = _TORCH_REFUSED.search(str(err))
+        detail = (
+            f"references {met[1]}" if met and met[1] else (met[2] if met else "an unknown pickle")
+        )
         raise UnsafeCheckpointError(
-            f"{what} is not plain tensor data ({first}): refusing to load it "
+            f"{what} is not plain tensor data ({detail}): refusing to load it "
             "(nothing in it was run); re-save the checkpoint or restore it "
             "from a trusted copy"
         ) from None
@@ -146,21 +162,143 @@ def load_weights_only(data: bytes, what: str):
         ) from None
 
 
+def refusals(ckpt_dir: str | Path) -> Iterator[tuple[Path, UnsafeCheckpointError]]:
+    """(file, refusal) for each pickle megatron-core's `dist_checkpointing.load(..., ckpt_dir)`
+    would unpickle that is not plain data: `.metadata` (allow-list; a refused one ends the
+    list, the rest is found through it), `common.pt` and every byte item of the `.distcp`
+    files (torch's weights_only loader). Nothing is run; a file that cannot be read at all
+    raises CheckpointError."""
+    root = Path(ckpt_dir)
+    try:
+        meta = load_metadata(root / METADATA)
+    except UnsafeCheckpointError as err:
+        yield root / METADATA, err
+        return
+    items = [(root / COMMON, None)] if (root / COMMON).is_file() else []
+    byte_keys = {k for k, v in meta.state_dict_metadata.items() if not hasattr(v, "chunks")}
+    items += [(i, info) for i, info in meta.storage_data.items() if i.fqn in byte_keys]
+    for index, info in items:
+        if info is None:
+            data, path, what = index.read_bytes(), index, str(index)
+        else:
+            path = root / info.relative_path
+            data, what = _read_range(root, info), f"{path} item {index.fqn}"
+        try:
+            load_weights_only(data, what)
+        except UnsafeCheckpointError as err:
+            yield path, err
+
+
 def check_dist_checkpoint(ckpt_dir: str | Path) -> None:
     """Everything megatron-core's `dist_checkpointing.load(..., ckpt_dir)` would unpickle, read
-    first without running code: `.metadata` (allow-list), `common.pt` and every byte item in
-    the `.distcp` files (torch's weights_only loader). Raises UnsafeCheckpointError /
-    CheckpointError naming the file; returns None when all of it is plain data."""
-    root = Path(ckpt_dir)
-    meta = load_metadata(root / METADATA)
-    if (root / COMMON).is_file():
-        load_weights_only((root / COMMON).read_bytes(), str(root / COMMON))
-    byte_keys = {k for k, v in meta.state_dict_metadata.items() if not hasattr(v, "chunks")}
-    for index, info in meta.storage_data.items():
-        if index.fqn in byte_keys:
-            load_weights_only(
-                _read_range(root, info), f"{root / info.relative_path} item {index.fqn}"
-            )
+    first without running code (`refusals`). Raises UnsafeCheckpointError / CheckpointError
+    naming the file; returns None when all of it is plain data."""
+    for _, err in refusals(ckpt_dir):
+        raise err
+
+
+# ---- a whole torch.save file (verl's data.pt) -------------------------------------------
+
+_ZIP_MAGIC = b"PK\x03\x04"  # the test torch.load makes first (torch.serialization._is_zipfile)
+_REBUILD = ("torch._utils", "_rebuild_tensor_v2")
+_BYTES = ("torch", "ByteStorage")
+# what torch.save writes for dicts / lists of CPU uint8 tensors: the tensor's rebuild call, its
+# storage type (inside the persistent id) and its empty backward-hook dict
+TORCH_SAVE_ALLOWED = frozenset({_REBUILD, _BYTES, ("collections", "OrderedDict")})
+
+
+class _Stored:
+    """Stands in for a storage (a `data/<key>` record) and for a tensor built on one."""
+
+
+def _plain_tensor(storage, offset, size, stride, requires_grad, hooks, *rest):
+    """Stands in for `_rebuild_tensor_v2` when checking: what torch.save writes for a plain
+    tensor, nothing else (no hooks, no metadata)."""
+    ints = (offset, *size, *stride)
+    if (
+        isinstance(storage, _Stored)
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and all(type(i) is int for i in ints)
+        and type(requires_grad) is bool
+        and isinstance(hooks, OrderedDict)
+        and not hooks
+        and not rest
+    ):
+        return _Stored()
+    raise _Unplain("holds a tensor rebuilt with arguments other than a plain tensor's")
+
+
+class _Unplain(Exception):
+    pass
+
+
+class TorchSaveUnpickler(pickle.Unpickler):
+    """Walks a torch.save'd `data.pkl` building stand-ins: only TORCH_SAVE_ALLOWED, CPU byte
+    storages that are records of the archive, plain tensors; nothing of torch is run."""
+
+    def __init__(self, file, records: set[str]):
+        super().__init__(file)
+        self.records = records
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in TORCH_SAVE_ALLOWED:
+            raise _Unplain(f"references {module}.{name}")
+        return {_REBUILD: _plain_tensor, _BYTES: _Stored}.get((module, name), OrderedDict)
+
+    def persistent_load(self, pid):
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and pid[1] is _Stored
+            and isinstance(pid[2], str)
+            and f"data/{pid[2]}" in self.records
+            and pid[3] == "cpu"
+            and type(pid[4]) is int
+        ):
+            return _Stored()
+        raise _Unplain(
+            f"holds a storage reference other than a CPU byte storage of the archive ({str(pid)[:80]})"
+        )
+
+
+def check_torch_save(path: str | Path, what: str, fix: str) -> None:
+    """Raise UnsafeCheckpointError (or CheckpointError) unless `path` is a torch.save archive
+    of plain data (TORCH_SAVE_ALLOWED), read as torch.load reads it: the first bytes, then
+    torch's own zip reader. `what` names the file's role, `fix` what the user can do."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+                problem = "is not a torch.save zip archive (torch.load would unpickle it whole)"
+            else:
+                f.seek(0)
+                problem = _archive_problem(torch._C.PyTorchFileReader(f))
+    except OSError as err:
+        raise CheckpointError(f"{path} is unreadable ({err.strerror}): {fix}") from None
+    except RuntimeError as err:  # torch's zip reader: a damaged or truncated archive
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
+        raise CheckpointError(f"{path} is unreadable ({first}): {fix}") from None
+    if problem:
+        raise UnsafeCheckpointError(
+            f"{path} is not {what}: it {problem}; refusing to load it (nothing in it was run): {fix}"
+        )
+
+
+def _archive_problem(reader) -> str | None:
+    records = set(reader.get_all_records())
+    if "constants.pkl" in records:
+        return "is a TorchScript archive (torch.load would run it as code)"
+    if "data.pkl" not in records:
+        return "has no data.pkl"
+    try:
+        TorchSaveUnpickler(io.BytesIO(reader.get_record("data.pkl")), records).load()
+    except _Unplain as err:
+        return str(err)
+    except Exception as err:  # any malformed pickle (truncated, wrong opcodes, bad arguments)
+        return f"holds a malformed pickle ({type(err).__name__})"
+    return None
 
 
 def _read_range(root: Path, info) -> bytes:

@@ -23,7 +23,7 @@ from converters.manifest import (
     sha256,
     write_manifest,
 )
-from converters.safe_pickle import check_dist_checkpoint
+from converters.safe_pickle import METADATA, check_dist_checkpoint, refusals
 from converters.table import split_row
 
 CHUNK = 1 << 24  # elements compared at a time under --atol
@@ -100,10 +100,27 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return worst
 
 
+def refused_pickles(path, report: Callable[[str], None]) -> tuple[int, bool]:
+    """What resume and mcore-to-hf would refuse to unpickle in a dist checkpoint (its
+    `.metadata`, `common.pt`, byte items: converters.safe_pickle), each reported as one line:
+    (how many, whether its tensors can still be read, i.e. `.metadata` passed)."""
+    if not is_dist_dir(path):
+        return 0, True
+    found = list(refusals(find_dist_dir(path)))
+    for _, err in found:
+        report(str(err))
+    return len(found), not any(p.name == METADATA for p, _ in found)
+
+
 def compare(
     a_path, b_path, *, atol: float | None = None, config=None, report: Callable[[str], None] = print
 ) -> tuple[int, int]:
-    """(tensors compared, mismatches); each mismatch is reported as one line."""
+    """(tensors compared, mismatches); each mismatch is reported as one line, and so is each
+    pickle a side holds that is not plain data (its tensors are not compared when that is
+    `.metadata`, through which they are found)."""
+    refused = [refused_pickles(p, report) for p in (a_path, b_path)]
+    if not all(readable for _, readable in refused):
+        return 0, sum(n for n, _ in refused)
     config = config or _hf_config(a_path, b_path)
     a, b = open_side(a_path, config), open_side(b_path, config)
     if isinstance(a, HFSide) and isinstance(b, DistSide):  # walk the dist side in model order
@@ -111,7 +128,7 @@ def compare(
     else:
         swap = False
     names_b = set(b.names())
-    compared = mismatches = 0
+    compared, mismatches = 0, sum(n for n, _ in refused)
     for name in a.names():
         if name not in names_b:
             report(f"{name}: only in {b_path if swap else a_path}")
@@ -140,8 +157,10 @@ def _hf_config(*paths) -> Path | None:
 
 
 def check_manifest(path, *, config=None, report: Callable[[str], None] = print) -> tuple[int, int]:
-    """Every file's bytes and every tensor's sha256 against the checkpoint's manifest.json:
-    (files and tensors checked, mismatches), each mismatch reported as one line."""
+    """Every file's bytes and every tensor's sha256 against the checkpoint's manifest.json, and
+    every pickle of a dist checkpoint through the allow-lists (a crafted file with a manifest
+    that agrees is still a finding): (files and tensors checked, mismatches), each mismatch
+    reported as one line."""
     path = Path(path)
     root = find_dist_dir(path) if is_dist_dir(path) else path
     manifest = read_manifest(root)
@@ -151,7 +170,9 @@ def check_manifest(path, *, config=None, report: Callable[[str], None] = print) 
         checked, bad = len(manifest["files"]), len(problems)
         for line in problems:
             report(line)
-    if "tensors" in manifest:
+    refused, readable = refused_pickles(path, report)
+    bad += refused
+    if "tensors" in manifest and readable:
         n, m = _check_tensors(path, manifest["tensors"], config, report)
         checked, bad = checked + n, bad + m
     return checked, bad

@@ -9,7 +9,10 @@ of the run written as {tmp} (the row's scratch dir), {hf} (the tiny HF model), {
 dist checkpoint, made by hf-to-mcore) and {pid} (this process).
 """
 
+import functools
+import importlib.util
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -20,12 +23,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Case:
-    cli: str  # converters | parallel | launcher | monitor
+    cli: str  # converters | parallel | launcher | monitor | resolve
     what: str
     setup: Callable  # ctx -> argv
     code: int
     message: str
     stream: str = "err"
+    # ctx -> Python source run as the launcher's training child (the real run_command and
+    # output handling; a stand-in for verl's trainer that runs the engine's own check)
+    child: Callable | None = None
 
 
 @dataclass
@@ -344,12 +350,120 @@ CONVERTERS = [
     ),
     Case(
         "converters",
+        "verify a crafted .metadata whose manifest agrees (a finding)",
+        lambda c: _verify_crafted(c, ".metadata"),
+        1,
+        "{tmp}/m/.metadata references torch.distributed.checkpoint.metadata.os.mkdir, which a "
+        "torch_dist checkpoint never holds: refusing to load it (nothing in it was run); re-save "
+        "the checkpoint or restore it from a trusted copy",
+        stream="out",
+    ),
+    Case(
+        "converters",
+        "verify a crafted common.pt whose manifest agrees (a finding)",
+        lambda c: _verify_crafted(c, "common.pt"),
+        1,
+        "{tmp}/m/common.pt is not plain tensor data (references posix.system): refusing to load "
+        "it (nothing in it was run); re-save the checkpoint or restore it from a trusted copy",
+        stream="out",
+    ),
+    Case(
+        "converters",
         "manifest over an existing one",
         lambda c: ["manifest", c.mcore],
         2,
         "error: {mcore}/manifest.json exists: pass --force to replace it, or verify against it",
     ),
 ]
+
+
+def _verify_crafted(ctx: Ctx, name: str) -> list:
+    """A checkpoint whose `name` is crafted, its manifest entry rewritten to agree (a plain
+    sha256 list anyone can recompute)."""
+    import torch
+
+    from converters.manifest import hash_file
+    from tests.test_safe_checkpoints import _call, _System
+
+    ckpt = ctx.copy(ctx.mcore, "m")
+    if name == ".metadata":
+        payload = _call("torch.distributed.checkpoint.metadata", "os.mkdir", str(ctx.tmp / "pwned"))
+        (ckpt / name).write_bytes(payload)
+    else:
+        torch.save(_System(f"mkdir {ctx.tmp / 'pwned'}"), ckpt / name)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][name] = hash_file(ckpt / name)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return ["verify", ckpt]
+
+
+class _Exec:
+    """Runs `exec(code)` when unpickled, as torch.load(weights_only=False) would."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def _resume_run(ctx: Ctx, data_state: str = "genuine", model: str = "intact") -> list:
+    """{tmp}/run: a local run's directory whose checkpoints/global_step_2 the launcher resumes
+    (verl's layout; the actor's model is the tiny model's dist checkpoint)."""
+    import torch
+
+    from recipes.local.run import prepare
+
+    prepare(ctx.tmp / "run")  # the tiny model and data an earlier launch made
+    step = ctx.tmp / "run" / "checkpoints" / "global_step_2"
+    model_dir = step / "actor" / "model" / "dist_ckpt"
+    shutil.copytree(ctx.mcore, model_dir)
+    (step.parent / "latest_checkpointed_iteration.txt").write_text("2")
+    state = {"_num_yielded": 16, "_sampler_iter_state": {"yielded": 16}}  # as verl's, in short
+    if data_state == "exec payload":
+        state["_sampler_iter_state"]["generator"] = _Exec(
+            f"open({str(ctx.tmp / 'pwned')!r}, 'w').write('ran')"
+        )
+    if data_state == "plain pickle":
+        (step / "data.pt").write_bytes(pickle.dumps(_Exec("print('ran')")))
+    else:
+        torch.save(state, step / "data.pt")
+    from tests.test_safe_checkpoints import _call, _System
+
+    if model == "crafted .metadata":
+        payload = _call(
+            "torch.distributed.checkpoint.filesystem", "os.mkdir", str(ctx.tmp / "pwned")
+        )
+        (model_dir / ".metadata").write_bytes(payload)
+    elif model == "crafted common.pt":
+        torch.save(_System(f"mkdir {ctx.tmp / 'pwned'}"), model_dir / "common.pt")
+    elif model == "changed tensor bytes":
+        ctx.flip(model_dir / "__0_0.distcp", _chunk_offset(ctx) + 900)
+    return ["--device", "cpu", "--resume", "--steps", "3", "--ckpt-dir", ctx.tmp / "run"]
+
+
+def _engine_check(ctx: Ctx) -> str:
+    """The training child: the engine's load-time check (rank 0 of a world of 1) on the step
+    verl would resume, raising as it does in verl's actor worker."""
+    step = ctx.tmp / "run" / "checkpoints" / "global_step_2"
+    return (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from pathlib import Path\n"
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{ctx.tmp / 'pg'}', rank=0, "
+        "world_size=1)\n"
+        "from recipes.dapo import weights\n"
+        f"step = Path({str(step)!r})\n"
+        "weights.check_sealed([step / 'actor' / weights.MODEL_DIR], step_dir=step)\n"
+    )
+
+
+def _unscorable(ctx: Ctx) -> list:
+    from tests.test_prepare_data import write_dataset
+
+    path = write_dataset(ctx.tmp / "t.parquet", prompts=3, source="gsm8k")
+    return ["--device", "cuda", "--dry-run", "--train-file", path]
+
 
 PLANNER = [
     Case(
@@ -479,6 +593,66 @@ PLANNER = [
         lambda c: ["--device", "cuda", "--dry-run", "--model", c.tmp],
         2,
         "error: --model {tmp} has no config.json: pass the HF checkpoint dir of Qwen3-30B-A3B",
+    ),
+    Case(
+        "launcher",
+        "a data_source verl's scorer does not know (gsm8k: verl's is openai/gsm8k)",
+        _unscorable,
+        2,
+        "error: DAPO-Math-17k {tmp}/t.parquet: data_source 'gsm8k' (1 of 1 distinct values) has "
+        "no scorer in verl's default_compute_score (verl.utils.reward_score): use a data_source "
+        "it scores (math_dapo for DAPO-Math, aime* for AIME) or set reward.custom_reward_function",
+    ),
+    Case(
+        "launcher",
+        "--resume: data.pt runs exec when unpickled (nothing runs, nothing starts)",
+        lambda c: _resume_run(c, data_state="exec payload"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/data.pt is not verl's dataloader state (plain "
+        "containers and tensors): it references __builtin__.exec; refusing to load it (nothing "
+        "in it was run): restore it from a trusted copy, or delete it to restart the data order "
+        "from the first batch (verl then starts its dataloader afresh)",
+    ),
+    Case(
+        "launcher",
+        "--resume: data.pt is a plain pickle, not torch.save's archive",
+        lambda c: _resume_run(c, data_state="plain pickle"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/data.pt is not verl's dataloader state (plain "
+        "containers and tensors): it is not a torch.save zip archive (torch.load would unpickle "
+        "it whole); refusing to load it (nothing in it was run): restore it from a trusted copy, "
+        "or delete it to restart the data order from the first batch (verl then starts its "
+        "dataloader afresh)",
+    ),
+    Case(
+        "launcher",
+        "--resume: a crafted .metadata in the actor's checkpoint",
+        lambda c: _resume_run(c, model="crafted .metadata"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt/.metadata references "
+        "torch.distributed.checkpoint.filesystem.os.mkdir, which a torch_dist checkpoint never "
+        "holds: refusing to load it (nothing in it was run); re-save the checkpoint or restore "
+        "it from a trusted copy",
+    ),
+    Case(
+        "launcher",
+        "--resume: a crafted common.pt in the actor's checkpoint (no advice to unpickle it)",
+        lambda c: _resume_run(c, model="crafted common.pt"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt/common.pt is not plain "
+        "tensor data (references posix.system): refusing to load it (nothing in it was run); "
+        "re-save the checkpoint or restore it from a trusted copy",
+    ),
+    Case(
+        "launcher",
+        "--resume: tensor bytes changed after the save (the engine refuses them in the trainer)",
+        lambda c: _resume_run(c, model="changed tensor bytes"),
+        2,
+        "error: {tmp}/run/checkpoints/global_step_2/actor/model/dist_ckpt/__0_0.distcp: bytes "
+        "{range} differ from manifest.json: the checkpoint was damaged or changed after it was "
+        "written; restore it from a good copy (the trainer's traceback: {tmp}/run/logs/"
+        "launch_000.log)",
+        child=_engine_check,
     ),
 ]
 
@@ -615,7 +789,56 @@ MONITOR = [
     ),
 ]
 
-CASES = CONVERTERS + PLANNER + MONITOR
+
+@functools.cache
+def resolve_script():
+    """scripts/stacks/resolve.py as a module (it is a script, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "stacks" / "resolve.py"
+    spec = importlib.util.spec_from_file_location("stacks_resolve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# what pip 26.3 prints when the index does not answer (its own retries spent)
+NO_INDEX = (
+    "WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) "
+    "after connection broken by 'NewConnectionError(\"HTTPSConnection(host='pypi.org', "
+    "port=443): Failed to establish a new connection: [Errno 101] Network is unreachable\")'"
+    ": /simple/torch/\nERROR: No matching distribution found for torch==2.7.1\n"
+)
+
+
+def _index_down(ctx: Ctx) -> list:
+    """Every pip run of resolve.py fails fetching, as with the network down; nothing waits."""
+    resolve = resolve_script()
+    saved = {n: getattr(resolve, n) for n in ("pip_for", "FETCH_WAIT_S")}
+    saved_run = resolve.subprocess.run
+    resolve.pip_for, resolve.FETCH_WAIT_S = (lambda python: ["pip"]), (0, 0)
+    resolve.subprocess.run = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", NO_INDEX)
+
+    def release() -> None:
+        for name, value in saved.items():
+            setattr(resolve, name, value)
+        resolve.subprocess.run = saved_run
+
+    ctx.release = release
+    return ["check", "npu"]
+
+
+RESOLVE = [
+    Case(
+        "resolve",
+        "the package index does not answer (every try of a metadata fetch fails)",
+        _index_down,
+        2,
+        "error: npu (Python 3.10, aarch64): fetching torch==2.7.1's aarch64 metadata from the "
+        "package index failed 3 times (connection broken by): check the network or the index "
+        "(PIP_INDEX_URL), then rerun",
+    ),
+]
+
+CASES = CONVERTERS + PLANNER + MONITOR + RESOLVE
 HEADER = """# Bad inputs tried per CLI
 
 Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the
@@ -638,6 +861,7 @@ def table() -> str:
         ("parallel", "python -m parallel"),
         ("launcher", "bash scripts/train_mcore.sh"),
         ("monitor", "python -m backend.monitor"),
+        ("resolve", "python scripts/stacks/resolve.py"),
     ):
         rows = [c for c in CASES if c.cli == cli]
         lines += [

@@ -3,6 +3,7 @@ no output and no side effect left; docs/bad_inputs.md is the table of exactly th
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,10 @@ def _main(cli: str):
         from parallel.cli import main
     elif cli == "launcher":
         from recipes.dapo.launch import main
+    elif cli == "resolve":
+        from tests.bad_inputs import resolve_script
+
+        main = resolve_script().main
     else:
         from backend.monitor.cli import main
     return main
@@ -50,11 +55,17 @@ def sources(tiny_hf_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(
-        "recipes.dapo.cluster.run_command", lambda cmd, env: pytest.fail(f"started {cmd}")
-    )
+    from recipes.dapo import cluster
+
+    real_run = cluster.run_command
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, *a, **kw: pytest.fail(f"started {cmd}"))
     ctx = Ctx(tmp_path, *sources)
     argv = [str(a) for a in case.setup(ctx)]
+    if case.child:  # the training child's place taken by the case's stand-in
+        child = [sys.executable, "-c", case.child(ctx)]
+        monkeypatch.setattr(
+            cluster, "run_command", lambda cmd, env, *a, **kw: real_run(child, env, *a, **kw)
+        )
     capsys.readouterr()
     try:
         code = _main(case.cli)(argv)
@@ -67,6 +78,8 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
         assert err.count("\n") == 1 and pattern.fullmatch(err.rstrip("\n")), err
     else:
         assert any(pattern.fullmatch(line) for line in out.splitlines()), out
+    if case.child:  # the training child's traceback only in the launch's log
+        assert "Traceback" not in out, out
     assert not {"out", "o", "pwned"} & {
         p.name for p in tmp_path.iterdir()
     }  # nothing written, nothing run

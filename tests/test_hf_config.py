@@ -16,7 +16,7 @@ def test_config_object_dict_and_file_agree(tmp_path):
     from_obj = load_qwen3_moe_spec(cfg)
     assert load_qwen3_moe_spec(tmp_path) == from_obj
     assert load_qwen3_moe_spec(tmp_path / "config.json") == from_obj
-    assert from_obj.head_dim == 24 != from_obj.hidden_size // from_obj.num_heads
+    assert from_obj.head_dim == 32 != from_obj.hidden_size // from_obj.num_heads
     assert (from_obj.num_experts, from_obj.top_k, from_obj.rope_theta) == (8, 2, 10000.0)
 
 

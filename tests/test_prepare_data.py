@@ -110,3 +110,39 @@ def test_script_passes_on_good_files(tmp_path):
         tmp_path / data.VAL.filename, prompts=data.VAL.unique_prompts, repeat=32, source="aime2024"
     )
     assert prepare_data_main()(["--data-dir", str(tmp_path)]) == 0
+
+
+# sources whose real scoring is harmless to run here (no code execution, no sandbox)
+SOURCES = ["math_dapo", "aime2024", "math", "openai/gsm8k", "lighteval/MATH",
+           "hiyouga/geometry3k", "searchR1_nq", "numina_olympiads", "gsm8k", "dapo", "", None]  # fmt: skip
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_scorer_lookup_is_verls_own_dispatch(source):
+    """has_scorer answers as verl's default_compute_score does when it really scores: it
+    raises at its dispatch for a source it does not know (None included), else scores."""
+    compute_score = data.default_scorer()
+    try:
+        compute_score(source, "Answer: 2", "2")
+        scored = True
+    except (NotImplementedError, AttributeError):
+        scored = False
+    except ImportError:  # dispatched, to a scorer whose extra package is not installed here
+        scored = True
+    assert data.has_scorer(compute_score, source) == scored
+
+
+def test_schema_only_checks_the_scorer_too(tmp_path, capsys):
+    write_dataset(tmp_path / data.TRAIN.filename, prompts=3, source="gsm8k")
+    write_dataset(tmp_path / data.VAL.filename, prompts=3, source="aime2024")
+    assert prepare_data_main()(["--data-dir", str(tmp_path), "--schema-only"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / data.TRAIN.filename}"
+    assert out[1].strip().startswith("data_source 'gsm8k' (1 of 1 distinct values) has no scorer")
+    assert out[2] == f"ok  AIME-2024 {tmp_path / data.VAL.filename}"
+
+
+def test_a_custom_reward_function_scores_every_source(tmp_path):
+    path = write_dataset(tmp_path / "t.parquet", 3, source="my_task")
+    assert not data.check_file(path, expecting(data.TRAIN, 3), scorer=None).problems
+    assert data.check_file(path, expecting(data.TRAIN, 3)).problems

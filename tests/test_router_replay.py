@@ -414,3 +414,33 @@ def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
                 checked[result["dp_rank"]] = checked.get(result["dp_rank"], 0) + seen
             fed = fed_router_tokens(phase == "update")
             assert checked == dict.fromkeys(checked, fed), f"tp={tp} ep={ep} {phase}: {checked}"
+
+
+@pytest.mark.parametrize("mode", ["disabled", "R3"])
+def test_update_route_match_counts_the_experts_the_update_used(engine_of, mode):
+    """`moe/update_route_match`: the share of response tokens whose experts used in the update
+    equal the rollout's. Rollout routes that differ from the router's own on a third of the
+    counted tokens (layer 1): disabled matches on the rest, R3 on all (mutation: comparing the
+    router's own choice instead of the experts used makes R3 read like disabled)."""
+    data = marked_batch(max_tokens=16)
+    own = _own_routes(engine_of, data)
+    rows = [r.clone() for r in own.unbind()]
+    counted = []
+    for b, (p_len, r_len) in enumerate(
+        (len(p), len(r))
+        for p, r in zip(data["prompts"].unbind(), data["responses"].unbind(), strict=True)
+    ):
+        counted += [(b, pos) for pos in range(p_len, p_len + r_len - 1)]
+        rows[b][-1] = 0
+    changed = counted[::3]
+    for b, pos in changed:
+        rows[b][pos, 1] = (rows[b][pos, 1] + 1) % E
+    data["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    engine = engine_of(router_replay=mode)
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        metrics = engine.forward_backward_batch(data, sum_loss)["metrics"]
+    share = 1.0 if mode == "R3" else 1 - len(changed) / len(counted)
+    assert metrics["moe/update_route_match/layer_00"] == [1.0]
+    assert metrics["moe/update_route_match/layer_01"] == [pytest.approx(share, abs=1e-12)]
+    assert metrics["moe/update_route_match/min"] == [pytest.approx(share, abs=1e-12)]

@@ -157,24 +157,46 @@ def test_cli_refuses_a_crafted_checkpoint_in_one_line(megatron_save, tmp_path, t
     victim = tmp_path / "victim"
     ckpt = shutil.copytree(megatron_save, tmp_path / "ckpt")
     (ckpt / ".metadata").write_bytes(_payloads(victim)["dotted name"][0])
-    for argv in (
-        ["verify", str(ckpt), str(tiny_hf_dir)],
-        [
-            "mcore-to-hf",
-            str(ckpt),
-            str(tmp_path / "out"),
-            "--template",
-            str(tiny_hf_dir),
-            "--no-manifest-check",
-        ],
-    ):
-        assert converters_main(argv) == 2
-        err = capsys.readouterr().err
-        assert (
-            err.count("\n") == 1
-            and "references torch.distributed.checkpoint.filesystem.os.mkdir" in err
-        )
+    argv = ["mcore-to-hf", str(ckpt), str(tmp_path / "out"), "--template", str(tiny_hf_dir),
+            "--no-manifest-check"]  # fmt: skip
+    assert converters_main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "references torch.distributed.checkpoint.filesystem.os.mkdir" in err
+    )
+    # verify: a finding (exit 1), the refusal its line; no tensor is read through that .metadata
+    assert converters_main(["verify", str(ckpt), str(tiny_hf_dir)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{ckpt / '.metadata'} references torch.distributed.checkpoint")
+    assert out[-1] == "verify: 0 tensors compared, 1 mismatches"
     assert not victim.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("crafted", [".metadata", "common.pt"])
+def test_verify_finds_a_crafted_file_whose_manifest_agrees(
+    crafted, megatron_save, tmp_path, capsys
+):
+    """The manifest is a plain sha256 list: rewritten to match, it vouches for nothing. verify
+    runs the allow-lists that resume and mcore-to-hf run, and never says 0 mismatches."""
+    from converters.manifest import hash_file
+
+    victim = tmp_path / "victim"
+    ckpt = shutil.copytree(megatron_save, tmp_path / "ckpt")
+    write_manifest(ckpt)
+    if crafted == ".metadata":
+        (ckpt / crafted).write_bytes(_payloads(victim)["allowed module, other name"][0])
+    else:
+        torch.save(_System(f"mkdir {victim}"), ckpt / crafted)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][crafted] = hash_file(ckpt / crafted)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert manifest_problems(ckpt) == []  # the bytes agree with the manifest
+    assert converters_main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1].startswith("verify: ") and out[1].endswith(", 1 mismatches")
+    assert out[0].startswith(str(ckpt / crafted)) and "nothing in it was run" in out[0]
+    assert "weights_only" not in out[0] and not victim.exists()
 
 
 # ---- outputs: one writer, dead runs' temp dirs ---------------------------------------------

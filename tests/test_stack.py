@@ -34,14 +34,16 @@ def _good(target: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def nothing_starts(monkeypatch):
+def nothing_starts(monkeypatch, tmp_path):
     """A resolved plan (files and plan checked), then whatever the launcher starts."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
+    )
     monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
     monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
-    run = SimpleNamespace(plan=SimpleNamespace(world=32), env={})
-    plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"])
+    run = SimpleNamespace(plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path))
+    plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"], groups={})
     monkeypatch.setattr(launch, "resolve", lambda *a: plan)
     return started
 
@@ -64,13 +66,35 @@ def test_the_npu_set_pins_the_a2_stack():
     assert stack.expected("cuda")["megatron-core"] == "0.16.1"
 
 
-@pytest.mark.parametrize("target", ["npu", "cuda"])
+def test_the_npu_cann851_set_pins_the_cann_8_5_1_stack():
+    """vllm-ascend 0.18.0's image (torch 2.9.0, torch_npu 2.9.0.post1, triton-ascend dev build),
+    MindSpeed core_r0.16.0 with megatron-core 0.16.0; verl, transformers, transferqueue as the
+    npu set."""
+    want, old = stack.expected("npu-cann851"), stack.expected("npu")
+    assert (want["torch"], want["torch-npu"]) == ("2.9.0", "2.9.0.post1")
+    assert want["triton-ascend"] == "3.2.0.dev20260322"
+    assert want["megatron-core"] == "0.16.0" and want["mindspeed"] == "0.16.0"
+    assert want["vllm"] == "0.18.0" and want["vllm-ascend"] == "0.18.0"
+    for name in ("verl", "transformers", "transferqueue", "numpy"):
+        assert want[name] == old[name], name
+    refs = stack.git_refs("npu-cann851")
+    assert [refs[n][1] for n in ("mindspeed", "vllm", "vllm-ascend")] == [
+        "core_r0.16.0", "v0.18.0", "v0.18.0",
+    ]  # fmt: skip
+    assert stack.A2_TARGETS == ("npu", "npu-cann851")
+
+
+@pytest.mark.parametrize("target", ["npu", "npu-cann851", "cuda"])
 def test_the_exact_set_passes_local_labels_ignored(monkeypatch, target):
     versions = _good(target)
-    versions["torch"] += "+cpu" if target == "npu" else "+cu130"
-    versions["vllm"] += "+empty" if target == "npu" else ""
+    versions["torch"] += "+cu130" if target == "cuda" else "+cpu"
+    versions["vllm"] += "" if target == "cuda" else "+empty"
+    if target == "npu-cann851":  # as vllm-ascend's v0.18.0 image names its own wheel
+        versions["torch-npu"] += "+git4c901a4"
     _fake(monkeypatch, versions)
     assert stack.problem(target) is None
+    if target != "cuda":  # --device npu finds the set by the image's torch
+        assert stack.a2_target() == target and stack.device_problem("npu") is None
 
 
 def test_mcore_0_16_under_mindspeed_refused_in_one_line(monkeypatch, capsys, nothing_starts):
@@ -87,7 +111,7 @@ def test_mcore_0_16_under_mindspeed_refused_in_one_line(monkeypatch, capsys, not
         ("mindspeed", None, ["mindspeed is not installed", "--target npu"]),
         ("mindspeed", "0.0.1.dev1", ["mindspeed 0.0.1.dev1", "needs 0.12.1"]),  # PyPI placeholder
         ("torch-npu", None, ["torch-npu is not installed", "base image"]),
-        ("torch", "2.13.0", ["torch 2.13.0 is installed", "needs 2.7.1", "base image"]),
+        ("torch", "2.13.0", ["torch 2.13.0 is installed", "neither A2 set", "torch 2.7.1 +"]),
         ("vllm-ascend", "0.13.0", ["vllm-ascend 0.13.0", "needs 0.11.0rc1"]),
     ],
 )
@@ -96,6 +120,72 @@ def test_missing_or_mismatched_npu_stack(
 ):
     _fake(monkeypatch, {**_good("npu"), component: have})
     _launch_fails(capsys, nothing_starts, "npu", *words)
+
+
+@pytest.mark.parametrize(
+    "component, have, words",
+    [
+        ("triton-ascend", None, ["triton-ascend is not installed", "needs 3.2.0.dev20260322"]),
+        ("torch-npu", "2.9.0", ["torch-npu 2.9.0 is installed", "needs 2.9.0.post1", "CANN 8.5.1"]),
+        (
+            "megatron-core",
+            "0.12.1",
+            ["megatron-core 0.12.1", "MindSpeed (core_r0.16.0) needs 0.16.0"],
+        ),
+        ("vllm-ascend", "0.11.0rc1", ["vllm-ascend 0.11.0rc1", "--target npu-cann851"]),
+        ("mindspeed", "0.12.1", ["mindspeed 0.12.1", "needs 0.16.0", "--target npu-cann851"]),
+    ],
+)
+def test_the_cann_8_5_1_image_with_a_wrong_component(
+    monkeypatch, capsys, nothing_starts, component, have, words
+):
+    """torch 2.9.0 makes it the npu-cann851 set's image: the rest is checked against that set."""
+    _fake(monkeypatch, {**_good("npu-cann851"), component: have})
+    _launch_fails(capsys, nothing_starts, "npu", *words)
+
+
+def _described(monkeypatch, capsys, versions: dict[str, str], cann: bool = True) -> list[str]:
+    """The launcher's dry run (the shipped 4x8 plan on npu): its `stack:` line and what follows
+    it. Packages outside `versions` answer as installed here."""
+    real = metadata.version
+    monkeypatch.setattr(stack.metadata, "version", lambda n: versions.get(n) or real(n))
+    for var in stack.CANN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if cann:
+        monkeypatch.setenv("ASCEND_HOME_PATH", "/usr/local/Ascend/ascend-toolkit/latest")
+    plan = ["--tp", "4", "--ep", "8", "--nodes", "4", "--devices-per-node", "8"]
+    assert launch.main([*plan, "--device", "npu", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("stack: "))
+    return lines[start : next(i for i in range(start + 1, len(lines)) if lines[i][0] != " ")]
+
+
+def test_dry_run_names_the_a2_set_and_r3_there(monkeypatch, capsys):
+    stack_line, r3 = _described(monkeypatch, capsys, _good("npu-cann851"))
+    assert stack_line == "stack: the npu-cann851 set"
+    assert r3.startswith("  R3 with the npu-cann851 set: not available with verl 0.9.1: ")
+    assert "vllm-ascend 0.18.0 captures routed_experts" in r3 and "below vLLM 0.22" in r3
+    assert "use R2 or disabled" in r3
+    stack_line, r3 = _described(monkeypatch, capsys, _good("npu"))
+    assert stack_line == "stack: the npu set"
+    assert r3.startswith("  R3 with the npu set: not available: vllm 0.11.0 + vllm-ascend ")
+    broken = {**_good("npu-cann851"), "vllm": "0.11.0"}
+    stack_line, _ = _described(monkeypatch, capsys, broken)
+    assert stack_line.startswith("stack: the npu-cann851 set's image, but vllm 0.11.0 is ")
+    assert "--target npu-cann851" in stack_line
+    stack_line, _ = _described(monkeypatch, capsys, _good("npu-cann851"), cann=False)
+    assert stack_line.startswith("stack: the npu-cann851 set's image, but CANN is not sourced")
+
+
+def test_dry_run_on_neither_a2_set_names_both_and_the_fix(monkeypatch, capsys):
+    stack_line, *r3 = _described(monkeypatch, capsys, {"torch": "2.8.0", "torch-npu": "2.8.0"})
+    assert stack_line.startswith("stack: torch 2.8.0 is installed (torch-npu 2.8.0), neither A2 ")
+    assert "the npu set needs torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)" in stack_line
+    assert "the npu-cann851 set needs torch 2.9.0 + torch_npu 2.9.0.post1" in stack_line
+    assert stack_line.endswith("then `bash scripts/bootstrap.sh --target <that set>`")
+    assert [line.split(":")[0] for line in r3] == [
+        "  R3 with the npu set", "  R3 with the npu-cann851 set",
+    ]  # fmt: skip
 
 
 def test_cann_not_sourced(monkeypatch, capsys, nothing_starts):
@@ -126,7 +216,7 @@ def _pins(path):
     )
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda", "npu"])
+@pytest.mark.parametrize("target", ["cpu", "cuda", "npu", "npu-cann851"])
 def test_each_lock_keeps_its_stack_pins(target):
     """What <target>.in pins is what its lock (what bootstrap installs) holds."""
     lock = {

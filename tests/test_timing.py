@@ -8,9 +8,11 @@ import torch
 
 from backend.timing import (
     COMM_SHARE_WARN,
+    CommLayout,
     MoEDispatchTimer,
     StepTimer,
     add_steps,
+    comm_layout,
     comm_share_warning,
 )
 
@@ -78,6 +80,24 @@ def test_comm_share_warning_names_the_parts():
     assert "35% of the step (over 30%)" in warning.line() and "moe_dispatch 2s" in warning.line()
     assert comm_share_warning(3, {**metrics, "timing/grad_reduce_s": 0.9}) is None
     assert COMM_SHARE_WARN == 0.30
+
+
+def test_comm_share_advice_follows_the_layout(world1):
+    """Keeping EP and TP inside a node is advice only for groups that span nodes."""
+    metrics = {"timing/step_s": 10.0, "timing/grad_reduce_s": 5.0}
+
+    def advice(layout):
+        return comm_share_warning(4, metrics, layout=layout).text
+
+    assert "ep groups span nodes: keep EP and TP inside a node" in advice(
+        CommLayout(32, 4, ("ep",))
+    )
+    for one_node in (CommLayout(2), CommLayout(32, 4)):
+        assert "inside a node" not in advice(one_node) and "overlap grad reduction" in (
+            advice(one_node)
+        )
+    assert "one rank, no collective" in advice(CommLayout(1))
+    assert comm_layout(world1) == CommLayout(1, 1, ())
 
 
 def test_misuse_is_refused_and_disabled_timer_is_silent():

@@ -49,7 +49,9 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append(cmd) or 0
+    )
     monkeypatch.setattr(cluster, "check_ray", lambda device, n: started.append(["ray", "status"]))
     return started
 
@@ -100,6 +102,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         **(cluster.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
+        "TQ_NUM_THREADS": cluster.transferqueue_threads(),  # at most this machine's cores
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
     aux_loss = "{" + ",".join(f"{k}:{fmt(v)}" for k, v in overrides.AUX_LOSS.items()) + "}"
@@ -153,6 +156,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{engine}.router_replay": "disabled",
         f"{engine}.packed": False,
         f"{engine}.monitor.assumed_ep_skew": skew,
+        f"{engine}.monitor.run_name": f"'qwen3-30b-a3b-{'a2' if a2 else 'h100'}-tp4-ep8'",
         f"{rollout}.name": "vllm",
         f"{rollout}.mode": "async",
         f"{rollout}.tensor_model_parallel_size": D["rollout_tp"],
@@ -252,6 +256,25 @@ def test_verl_composes_and_validates_the_overrides(device, files):
     algo = omega_conf_to_dataclass(cfg.algorithm)
     assert (algo.filter_groups.enable, algo.filter_groups.metric) == (True, "acc")
     assert cfg.reward.reward_kwargs.overlong_buffer_cfg.len == 4096
+    assert actor.engine.monitor["run_name"] == cfg.trainer.experiment_name  # the report's title
+    assert actor.engine.guards == {}  # the guards are opt-in
+
+
+def test_the_guards_pass_through_as_the_readme_writes_them(files):
+    """README, "Run health": one pass-through override turns the entropy floor on."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from backend.guards import GuardSettings
+
+    guard = "+actor_rollout_ref.actor.mcore_ep.guards={entropy_floor:{enable:true,floor:0.3}}"
+    assert guard in (REPO / "README.md").read_text()
+    cli = launch.overrides.to_cli(resolved("cuda", files, guard).groups)
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=cli)
+    engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine
+    settings = GuardSettings.from_dict(engine.guards)
+    assert settings.entropy_floor.floor == 0.3 and settings.kl is None
 
 
 def _fails_with_one_line(capsys, args, *needles):
@@ -298,6 +321,23 @@ def test_missing_files_fail_before_anything_starts(files, nothing_starts, capsys
     assert nothing_starts == []
 
 
+def test_data_sources_are_checked_against_the_configured_reward(files, nothing_starts, capsys):
+    """verl's default scorer knows math_dapo, not 'my_task'; a custom reward function scores
+    every source, so then the function's file must be there instead (all before Ray)."""
+    table = pq.read_table(files["--train-file"]).to_pydict()
+    pq.write_table(pa.table({**table, "data_source": ["my_task"]}), files["--train-file"])
+    dry = argv(files, "--device", "cuda", "--dry-run")
+    _fails_with_one_line(capsys, dry, "data_source 'my_task'", "reward.custom_reward_function")
+    reward = REPO / "recipes" / "local" / "task.py"
+    custom = ["--", f"reward.custom_reward_function.path={reward}",
+              "reward.custom_reward_function.name=compute_score"]  # fmt: skip
+    assert launch.main(dry + custom) == 0
+    capsys.readouterr()
+    missing = ["--", "reward.custom_reward_function.path=nope.py"]
+    _fails_with_one_line(capsys, dry + missing, "reward.custom_reward_function.path nope.py")
+    assert nothing_starts == []
+
+
 def test_model_without_weights_fails_a_real_launch(files, nothing_starts, capsys):
     _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "no model.safetensors")
     assert nothing_starts == []
@@ -311,7 +351,7 @@ def test_npu_without_torch_npu_fails_before_anything_starts(files, nothing_start
     assert nothing_starts == []
 
 
-def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path):
+def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, tmp_path, capsys):
     """The real launcher end to end but for two stand-ins found where it looks for them: a
     `ray` and a `python` (sys.executable) that log their calls. The real check_ray reads the
     real `ray status` call; the real run_command starts the real command line in the repo with
@@ -358,6 +398,12 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert "actor_rollout_ref.actor.strategy=mcore_ep" in args
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "VERL_USE_EXTERNAL_MODULES" not in env
+    assert env["TQ_NUM_THREADS"] == cluster.transferqueue_threads()
+    # the child's output went through the console: its log in the run, its status on screen
+    out = capsys.readouterr().out
+    log = files["--ckpt-dir"] / "logs" / "launch_000.log"
+    assert f"log: {log}" in out and "the training job exited with status 3" in out
+    assert log.read_text().startswith("DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on")
 
 
 def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_path, capsys):
@@ -365,22 +411,64 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
 
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
-    monkeypatch.setattr(local_run, "finish", lambda *args: 0)
+    monkeypatch.setattr(
+        cluster, "run_command", lambda cmd, env, console=None: started.append((cmd, env)) or 0
+    )
+    monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
-    for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=cpu",
+    for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=vllm",
                      "trainer.total_training_steps=3", "trainer.use_v1=true",
                      "algorithm.filter_groups.enable=true",
                      "actor_rollout_ref.actor.strategy=mcore_ep"):  # fmt: skip
         assert override in cmd, override
     assert env["VERL_PLATFORM"] == "cpu"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform,recipes.local.rollout"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform"
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
     _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"head_dim": 24}, "head_dim 24 is not a head size vLLM's CPU attention supports"),
+        ({"hidden_size": 48}, "hidden_size 48 is not a multiple of 32"),
+        ({"moe_intermediate_size": 48}, "moe_intermediate_size / rollout TP = 48"),
+        ({"vocab_size": 40}, "the tokenizer has 32 tokens for vocab_size 40"),
+    ],
+    ids=["head_dim", "hidden", "moe_slice", "tokenizer"],
+)
+def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
+    monkeypatch, tmp_path, capsys, change, message
+):
+    """The local run serves its model with vLLM's CPU backend: a model (here through
+    actor_rollout_ref.model.path) it cannot serve is refused before Ray, one line, exit 2."""
+    import json
+    import shutil
+
+    from recipes.local import run as local_run
+
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(cluster, "run_command", lambda *a, **k: pytest.fail("started"))
+    hf_dir, _ = local_run.prepare(tmp_path / "run")
+    capsys.readouterr()
+    user = tmp_path / "user_model"
+    shutil.copytree(hf_dir, user)
+    config = json.loads((user / "config.json").read_text())
+    (user / "config.json").write_text(json.dumps({**config, **change}))
+    argv = ["--ckpt-dir", str(tmp_path / "run"), "--", f"actor_rollout_ref.model.path={user}"]
+    _fails_with_one_line(capsys, argv, message)
+
+
+def test_the_cpu_head_sizes_are_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from recipes.local.cpu_limits import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
 
 
 def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 `python -m recipes.dapo.launch --device cpu` (what `bash scripts/train_mcore.sh` runs without
 an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic sampling,
-our mcore_ep engine with megatron-core's distributed optimizer, the CPU rollout fed only by
+our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
+build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
 verl's weight sync, the dapo reward manager, checkpoints in verl's layout and resume_mode=auto.
 A few steps each; the learning curve itself is measured by the main command (README).
 """
@@ -18,12 +19,18 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-SYNC_TOLERANCE = 1e-4  # rollout (transformers) vs actor (megatron-core) log-probs, fp32
+SYNC_TOLERANCE = 1e-4  # rollout (vLLM) vs actor (megatron-core) log-probs, fp32
+FP32_ROLLOUT = "actor_rollout_ref.rollout.dtype=float32"
+# console lines besides the step lines: start-up warnings once each, their counts, alarms,
+# summary (the 35-step main job: 35 step lines + these, under 300)
+CONSOLE_FIXED = 100
+STEP_ROW = re.compile(r"^\[[#.]{20}\] +(\d+)/(\d+) \| ")
 
 
 def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ckpt-dir", str(out),
-           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", *overrides]  # fmt: skip
+           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
+           *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-5000:])
@@ -76,6 +83,27 @@ def test_monitor_and_aux_loss_act_inside_verls_update(run3):
     assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
     report = json.loads((run3[0] / "routing_report.json").read_text())
     assert report["steps"], "the routing report holds the run's steps"
+    # its step axis is verl's: 4 updates (mini-batches) in each of the 3 trainer steps
+    assert [s["trainer_step"] for s in report["steps"]] == [1] * 4 + [2] * 4 + [3] * 4
+    assert report["meta"]["run"] == "tiny-qwen3-moe-cpu-tp1-ep1"
+    assert report["meta"]["trainer_steps"] == 3
+
+
+def test_the_console_shows_a_line_per_step_and_the_summary_last(run3):
+    """Everything verl, Ray and the workers print is in the run's log; the console has a line
+    per step, each warning once, and the summary last (the 35-step run: under 300 lines)."""
+    out, proc = run3
+    lines = proc.stdout.splitlines()
+    steps = [m.groups() for line in lines if (m := STEP_ROW.match(line))]
+    assert steps == [("1", "3"), ("2", "3"), ("3", "3")]
+    assert len(lines) - len(steps) <= CONSOLE_FIXED and 35 + CONSOLE_FIXED < 300
+    assert lines[-1].startswith("wall time: ") and "alarms: none" in lines
+    log = out / "logs" / "launch_000.log"
+    assert f"log: {log}" in lines
+    logged = log.read_text()
+    assert re.search(r"step:3 - .*actor/entropy:", logged)  # verl's own step line, in full
+    assert "target_num_threads" not in logged  # TQ_NUM_THREADS fits the machine's cores
+    assert len(logged.splitlines()) > 10 * len(lines)
 
 
 def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
@@ -87,6 +115,13 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
         assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
         assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
         assert json.loads((actor / "meta.json").read_text())["global_step"] == step
+    # verl's own data.pt: the exact allow-list the launcher and the engine check it with
+    from converters.safe_pickle import TORCH_SAVE_ALLOWED
+    from recipes.dapo.resume import check_data_state
+    from tests.test_resume import pickled_globals
+
+    check_data_state(ckpt / "global_step_2")
+    assert pickled_globals(ckpt / "global_step_2" / "data.pt") == TORCH_SAVE_ALLOWED
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_max_logits_diff"] < 1e-4
     assert (out / "export_hf" / "config.json").is_file()
@@ -99,19 +134,18 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
 # and the prompts of its first step.
 
 
-def tagged_train_data(src: Path, out: Path) -> int:
-    """src's train.parquet with each prompt prefixed by its row ("17*3+3="): the rows a run
-    trains on can be read from its rollout dump. Same rows, order and length; the row count."""
+def tag_train_rows(data: Path) -> int:
+    """Rewrite data/train.parquet with each prompt prefixed by its row ("17*3+3="), so that the
+    rows a run trains on can be read from its rollout dump; same rows, order and lengths of
+    the dataloader's epoch. Returns the row count."""
     import pandas as pd
 
-    train = pd.read_parquet(src / "train.parquet")
+    train = pd.read_parquet(data / "train.parquet")
     train["prompt"] = [
         [{**turn, "content": f"{row}*{turn['content']}"} for turn in prompt]
         for row, prompt in enumerate(train["prompt"])
     ]
-    out.mkdir(parents=True)
-    train.to_parquet(out / "train.parquet")
-    shutil.copy(src / "val.parquet", out / "val.parquet")
+    train.to_parquet(data / "train.parquet")
     return len(train)
 
 
@@ -183,12 +217,9 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
     src, _ = run3
-    out = tmp_path / "resumed"
-    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
-    train_rows = tagged_train_data(src / "data", out / "data")
+    out = resumable_copy(src, tmp_path / "resumed")
+    train_rows = tag_train_rows(out / "data")
     saved = out / "checkpoints" / "global_step_2"
-    shutil.copytree(src / "checkpoints" / "global_step_2", saved)
-    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     killed = sampler_state(saved / "data.pt", train_rows)  # where the killed run was
     rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
     # the killed run logged steps 1-2 and half a line of step 3
@@ -198,7 +229,8 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     proc = launch(out, "--resume", "--steps", "3",
                   overrides=("trainer.save_freq=2", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
     assert proc.returncode == 0
-    check_resumed_weights(proc.stdout + proc.stderr, saved, 2, src / "tiny_hf", tmp_path / "hf")
+    log = (out / "logs" / "launch_001.log").read_text()  # the console shows less
+    check_resumed_weights(log, saved, 2, src / "tiny_hf", tmp_path / "hf")
     check_resumed_prompts(killed, out / "checkpoints/global_step_3", dump / "3.jsonl", train_rows)
     resumed = history(out)
     assert sorted(resumed) == [1, 2, 3]
@@ -209,6 +241,42 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
         json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
         == 3
     )
+
+
+def resumable_copy(src: Path, out: Path) -> Path:
+    """A run directory holding run3's model, data and its step-2 save as the latest."""
+    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
+    shutil.copytree(src / "data", out / "data")
+    shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    return out
+
+
+@pytest.mark.trainer_flow
+def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_path):
+    """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
+    the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
+    driver that reaches the user as the engine's one line and exit 2, the traceback only in
+    the launch's log. The relaunch ends at verl's checkpoint load, before any step."""
+    out = resumable_copy(run3[0], tmp_path / "damaged")
+    model = out / "checkpoints" / "global_step_2" / "actor" / "model" / "dist_ckpt"
+    chunks = json.loads((model / "manifest.json").read_text())["files"]["__0_0.distcp"]
+    offset, length, _ = max(chunks["chunks"], key=lambda chunk: chunk[1])  # a tensor's
+    raw = bytearray((model / "__0_0.distcp").read_bytes())
+    raw[offset + length // 2] ^= 0xFF
+    (model / "__0_0.distcp").write_bytes(bytes(raw))
+    proc = launch(out, "--resume", "--steps", "3")
+    assert proc.returncode == 2
+    log = out / "logs" / "launch_000.log"  # the relaunch's own (no metrics launched before)
+    assert proc.stderr == (
+        f"error: {model / '__0_0.distcp'}: bytes {offset}-{offset + length} differ from "
+        "manifest.json: the checkpoint was damaged or changed after it was written; restore it "
+        f"from a good copy (the trainer's traceback: {log})\n"
+    )
+    assert "Traceback" not in proc.stdout and "exited with status" not in proc.stdout
+    logged = log.read_text()
+    assert "RayTaskError(CheckpointError)" in logged
+    assert "Traceback (most recent call last)" in logged
 
 
 @pytest.mark.trainer_flow

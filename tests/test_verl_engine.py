@@ -26,7 +26,8 @@ from recipes.dapo.overrides import AUX_LOSS
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 
 
-def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False, **config):
+def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False, lr=1e-3,
+                 **config):  # fmt: skip
     """An initialized mcore_ep engine, made the way verl's TrainingWorker makes it (device cpu)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
@@ -49,7 +50,7 @@ def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False,
             **config,  # e.g. param_offload, optimizer_offload
         ),
         optimizer_config=FSDPOptimizerConfig(
-            lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
+            lr=lr, lr_warmup_steps=4, weight_decay=0.1, clip_grad=1.0
         ),
         checkpoint_config=CheckpointConfig(),
     )
@@ -215,6 +216,24 @@ def test_dapo_loss_and_gradients_match_transformers(
     assert ours.keys() == ref.keys()
     for name in ours:
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_rollout_correction_weights_reach_verls_loss(make_engine):
+    """verl's rollout correction (TIS / IcePop: algorithm.rollout_correction) hands the actor
+    per-token `rollout_is_weights`; they reach verl's loss through the engine's micro-batches
+    (mutation: a micro-batch without the key trains as if uncorrected). On policy the ratio
+    is 1, so the loss is the token-mean of -advantage x weight."""
+    engine, data = make_engine(), make_batch()
+    _on_policy(engine, data)
+    advantages = data["advantages"]
+    weights = advantages.values().new_empty(advantages.values().shape).uniform_(0.5, 1.5)
+    data["rollout_is_weights"] = torch.nested.nested_tensor_from_jagged(
+        weights, advantages.offsets()
+    )
+    out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+    expected = -(advantages.values() * weights).mean().item()
+    assert sum(out["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(-advantages.values().mean().item(), rel=1e-3)
 
 
 def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
@@ -439,9 +458,12 @@ def test_micro_batches_respect_the_padded_token_budget():
         split_to([[0], [1]], 7)
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "crafted .metadata", "no manifest"])
+@pytest.mark.parametrize(
+    "damage", ["flipped byte", "crafted .metadata", "no manifest", "crafted data.pt"]
+)
 def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make_engine, tmp_path):
-    """Resume reads nothing megatron would unpickle before the manifest and allow-list pass."""
+    """Resume reads nothing megatron would unpickle before the manifest and allow-list pass,
+    nor lets verl unpickle its data.pt (verl loads it once load_checkpoint has returned)."""
     from converters.hf_io import CheckpointError
     from tests.test_safe_checkpoints import _call
 
@@ -464,11 +486,16 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make
         manifest["files"][".metadata"] = hash_file(model_dir / ".metadata")
         # a manifest that agrees does not make it loadable
         (model_dir / "manifest.json").write_text(json.dumps(manifest))
-    else:
+    elif damage == "no manifest":
         (model_dir / "manifest.json").unlink()
+    else:
+        from tests.test_resume import crafted_data_state
+
+        crafted_data_state(root.parent / "data.pt", victim)
     with pytest.raises(CheckpointError) as err:
         make_engine().load_checkpoint(str(root))
-    assert "\n" not in str(err.value) and str(model_dir) in str(err.value)
+    where = root.parent / "data.pt" if damage == "crafted data.pt" else model_dir
+    assert "\n" not in str(err.value) and str(where) in str(err.value)
     assert not victim.exists()
 
 
@@ -542,6 +569,8 @@ def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, c
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
+    # one CPU rank: no "keep EP and TP inside a node" (backend.timing.CommLayout)
+    assert "one rank, no collective" in warning["text"] and "inside a node" not in warning["text"]
 
 
 def test_compute_after_an_explicit_offload_without_offload_configured(make_engine):

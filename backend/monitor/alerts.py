@@ -1,7 +1,8 @@
 """Run warnings: one-line, rate-limited, and kept in the routing report.
 
 - RunWarning: what happened, at which step; `line()` is the log line, `as_dict()` the report
-  entry (the report's top-level "warnings" list; render.py shows them).
+  entry (the report's top-level "warnings" list; render.py shows them). Its level is
+  "warning", or "alarm" for the run-health alarms (alarms.py).
 - SkewGuard: compares the measured EP skew of every layer (monitor metric ep_max_over_mean,
   tokens on the busiest EP rank / the mean) with the skew the memory plan assumed
   (parallel.skew). A step whose worst layer exceeds it raises a warning naming the step, the
@@ -26,12 +27,14 @@ class RunWarning:
     step: int
     text: str  # the one-line message
     values: dict[str, float | int | str] = field(default_factory=dict)
+    level: str = "warning"  # or "alarm" (alarms.HealthAlarms)
 
     def line(self) -> str:
-        return f"WARNING [{self.kind}] step {self.step}: {self.text}"
+        return f"{self.level.upper()} [{self.kind}] step {self.step}: {self.text}"
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "step": self.step, "text": self.text, **self.values}
+        level = {"level": self.level} if self.level != "warning" else {}
+        return {"kind": self.kind, "step": self.step, "text": self.text, **level, **self.values}
 
 
 @dataclass

@@ -63,9 +63,11 @@ class LoadHistory:
         aux_loss: dict[str, float],
         metrics: dict | None = None,
         mismatch: dict[str, float] | None = None,
+        trainer_step: int | None = None,
     ) -> None:
         """Fold in one step's reduced counts; `metrics`: its phase_metrics if already computed;
-        `mismatch`: its routing agreement / rollout log-prob metrics, kept when given."""
+        `mismatch`: its routing agreement / rollout log-prob metrics, kept when given;
+        `trainer_step`: the trainer step the (optimizer) step belongs to, kept when given."""
         self.cumulative_PLE += counts_PLE
         if self._open is None:
             self._open = Window(step, step, torch.zeros_like(counts_PLE), complete=False)
@@ -80,6 +82,8 @@ class LoadHistory:
             metrics = phase_metrics(counts_PLE, self.phases, self.ep)
         summaries = {name: step_summary(*m) for name, m in metrics.items()}
         entry = {"step": step, "phases": summaries, "aux_loss": aux_loss}
+        if trainer_step is not None:
+            entry["trainer_step"] = trainer_step
         if mismatch:
             entry["mismatch"] = dict(mismatch)
         self.steps.append(entry)

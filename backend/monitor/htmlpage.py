@@ -5,7 +5,7 @@ from html import escape
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:2px 8px;
 text-align:right}th{background:#f3f3f3}img{max-width:100%;display:block;margin:1em 0}
-.flag{color:#b00}"""
+.flag{color:#b00}.log td{text-align:left}.log td:nth-child(-n+3){white-space:nowrap}"""
 
 
 def fmt(value) -> str:
@@ -16,10 +16,11 @@ def fmt(value) -> str:
     return escape(str(value))
 
 
-def table(headers: list[str], rows: list[list]) -> str:
+def table(headers: list[str], rows: list[list], cls: str = "") -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{fmt(v)}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    attr = f' class="{cls}"' if cls else ""
+    return f"<table{attr}><tr>{head}</tr>{body}</table>"
 
 
 def image(src: str, alt: str) -> str:

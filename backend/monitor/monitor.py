@@ -82,6 +82,7 @@ class ExpertLoadMonitor:
     ):
         self.groups, self.plan = groups, plan_of(groups)
         self.skew_guard = skew_guard  # checked at every step_end (alerts.SkewGuard)
+        self.trainer_step: int | None = None  # of the last step_end, when the caller names it
         self.warnings: list[RunWarning] = []  # what add_warning logged; kept in the report
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.phases, self.per_layer_keys, self.writer = tuple(phases), per_layer_keys, writer
@@ -152,17 +153,21 @@ class ExpertLoadMonitor:
         step: int,
         aux_losses: Mapping[str, object] | None = None,
         extra: Mapping[str, float] | None = None,
+        trainer_step: int | None = None,
     ) -> dict[str, float]:
         """Reduce this step's counts (collective: every rank calls it), log, return metrics.
 
         extra: already reduced scalars of this step (routing agreement, rollout log-prob
-        mismatch): logged and kept in the report's step as `mismatch`."""
+        mismatch): logged and kept in the report's step as `mismatch`. trainer_step: the
+        trainer step this optimizer step belongs to (the report's shared step axis)."""
+        self.trainer_step = trainer_step
         counts_PLE = reduce_counts_(self._counts_PLE, self.groups).to("cpu", copy=True)
         self._counts_PLE.zero_()
         aux = _aux_values(aux_losses)
         extra = {k: float(v) for k, v in (extra or {}).items()}
         per_phase = phase_metrics(counts_PLE, self.phases, self.plan["ep"])
-        self.history.add(step, counts_PLE, aux, per_phase, mismatch=extra)
+        self.history.add(step, counts_PLE, aux, per_phase, mismatch=extra,
+                         trainer_step=trainer_step)  # fmt: skip
         metrics = {**self._step_metrics(counts_PLE, per_phase), **aux, **self._cumulative_metrics()}
         metrics.update(extra)
         if self.unlabelled_calls:  # a pass the caller forgot to label: visible, not silent
@@ -173,7 +178,11 @@ class ExpertLoadMonitor:
         return metrics
 
     def add_warning(self, warning: RunWarning) -> None:
-        """Log `warning` in one line (first rank) and keep it for the routing report."""
+        """Log `warning` in one line (first rank) and keep it for the routing report, with
+        the trainer step of the last step_end that named one."""
+        if self.trainer_step is not None:
+            values = {**warning.values, "trainer_step": self.trainer_step}
+            warning = RunWarning(warning.kind, warning.step, warning.text, values, warning.level)
         self.warnings.append(warning)
         if self.is_writer_rank():
             log.warning(warning.line())

@@ -49,8 +49,10 @@ def delta_heatmap_figure(delta_LE: np.ndarray, title: str) -> Figure:
     return fig
 
 
-def imbalance_figure(steps: list[int], curve_SL: np.ndarray, name: str, title: str) -> Figure:
-    """A per-layer metric over steps: image (steps x layers) and mean / worst-layer lines."""
+def imbalance_figure(steps: list[int], curve_SL: np.ndarray, name: str, title: str,
+                     xlabel: str = "step", worst: str = "max") -> Figure:  # fmt: skip
+    """A per-layer metric over steps: image (steps x layers) and mean / worst-layer lines
+    (worst: "max" where high is bad, "min" where low is)."""
     fig = _figure(10, 6)
     top, bottom = fig.subplots(2, 1, sharex=True)
     extent = (steps[0] - 0.5, steps[-1] + 0.5, curve_SL.shape[1] - 0.5, -0.5)
@@ -61,8 +63,10 @@ def imbalance_figure(steps: list[int], curve_SL: np.ndarray, name: str, title: s
     top.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=top, label=name)
     bottom.plot(steps, np.nanmean(curve_SL, axis=1), label="mean over layers")
-    bottom.plot(steps, np.nanmax(curve_SL, axis=1), label="worst layer")
-    bottom.set(xlabel="step", ylabel=name)
+    worst_S = (np.nanmax if worst == "max" else np.nanmin)(curve_SL, axis=1)
+    bottom.plot(steps, worst_S, label="worst layer")
+    bottom.set(xlabel=xlabel, ylabel=name)
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.legend()
     return fig
 
@@ -105,13 +109,17 @@ def metric_delta_figure(
     return fig
 
 
-def series_figure(steps: list[int], series: dict[str, list[float]], title: str) -> Figure:
+def series_figure(steps: list[int], series: dict[str, list[float]], title: str,
+                  xlabel: str = "step", log: bool = False, ylabel: str = "") -> Figure:  # fmt: skip
     """A few scalars over steps (e.g. the router aux-loss values), one line each."""
     fig = _figure(10, 3.5)
     ax = fig.add_subplot()
     for name, values in series.items():
-        ax.plot(steps, values, label=name)
-    ax.set(title=title, xlabel="step")
+        ax.plot(steps, values, marker="." if len(steps) < 60 else None, label=name)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize="small")
     return fig
 

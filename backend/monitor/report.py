@@ -6,10 +6,14 @@ Layout (schema_version 1):
         phases, window_steps, steps, first_step, last_step, created, and caller extras,
   phases.<name>: cumulative [L][E] counts, metrics (of the cumulative counts),
                  windows [{start_step, end_step, complete, counts [L][E]}],
-  steps: [{step, phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...},
+  steps: [{step (optimizer update), trainer_step (when the caller named it),
+          phases.<name>: {overall {...}, layers {curve: [L]}}, aux_loss {...},
           mismatch {moe/routing_agreement/layer_NN, .../mean, .../min,
                     actor/rollout_logprob_abs_diff/{mean,p99,max}} when measured}],
-  warnings: [{kind, step, text, ...}] (alerts.RunWarning; absent in older files).
+  warnings: [{kind, step, text, [level], ...}] (alerts.RunWarning; absent in older files):
+            the engine's warnings count steps in optimizer updates (with their trainer_step),
+            the launcher's alarms (level "alarm") in trainer steps.
+meta may also hold run (the experiment's name) and trainer_steps (the last trainer step).
 Counts are per global expert, so runs with different EP degrees compare directly.
 NaN (a metric of an empty layer) is stored as null: the file stays strict JSON.
 """
@@ -107,6 +111,14 @@ def build_report(
     )
 
 
+def with_warnings(report: dict, warnings: list[dict]) -> dict:
+    """`report` with `warnings` (RunWarning.as_dict entries, e.g. the launcher's alarms)
+    added to its own, those it already holds once, all ordered by step."""
+    held = list(report.get("warnings", []))
+    held += [w for w in _strict(warnings) if w not in held]
+    return {**report, "warnings": sorted(held, key=lambda w: w["step"])}
+
+
 def save_report(report: dict, path: str | Path) -> Path:
     """Write atomically: a temp file in the same directory, then rename over `path`."""
     path = Path(path)
@@ -200,6 +212,41 @@ class Report:
                 rows.append([mismatch[k] for k in keys])
         return torch.tensor(rows, dtype=torch.float64).mean(0) if rows else None
 
+    @property
+    def on_trainer_steps(self) -> bool:
+        """Whether every step names its trainer step (reports written since it was recorded)."""
+        steps = self.data["steps"]
+        return bool(steps) and all("trainer_step" in s for s in steps)
+
+    @property
+    def axis_label(self) -> str:
+        return "trainer step" if self.on_trainer_steps else "optimizer update"
+
+    def _axis(self, rows: list[tuple[dict, object]]) -> tuple[list[int], list[list]]:
+        """Rows (step entry, value) -> x and the values at each x: by trainer step when the
+        steps name it (the phases then share one axis), else by optimizer update."""
+        key = "trainer_step" if self.on_trainer_steps else "step"
+        grouped: dict[int, list] = {}
+        for entry, value in rows:
+            grouped.setdefault(entry[key], []).append(value)
+        xs = sorted(grouped)
+        return xs, [grouped[x] for x in xs]
+
+    def trainer_curve(self, phase: str, name: str) -> tuple[list[int], np.ndarray]:
+        """step_curve on `axis_label`'s axis: a trainer step's updates averaged ([X, L])."""
+        rows = [(s, s["phases"][phase]["layers"][name]) for s in self.data["steps"]
+                if phase in s["phases"]]  # fmt: skip
+        xs, grouped = self._axis(rows)
+        curve = [[_mean(layer) for layer in zip(*group, strict=True)] for group in grouped]
+        return xs, np.asarray(curve, dtype=float).reshape(len(xs), self.shape[0])
+
+    def series(self, block: str, keys: list[str]) -> tuple[list[int], dict[str, list[float]]]:
+        """Scalars of the steps' `block` (aux_loss, mismatch) on `axis_label`'s axis (a trainer
+        step's values averaged); NaN where a step lacks a key."""
+        rows = [(s, s.get(block) or {}) for s in self.data["steps"] if s.get(block)]
+        xs, grouped = self._axis(rows)
+        return xs, {key: [_mean(v.get(key) for v in group) for group in grouped] for key in keys}
+
     def step_curve(self, phase: str, name: str) -> tuple[list[int], np.ndarray]:
         """Steps with tokens in `phase`, and the per-layer curve `name` at each ([S, L])."""
         rows = [
@@ -210,6 +257,12 @@ class Report:
         steps = [step for step, _ in rows]
         curve = [[math.nan if v is None else v for v in values] for _, values in rows]
         return steps, np.asarray(curve, dtype=float).reshape(len(rows), self.shape[0])
+
+
+def _mean(values) -> float:
+    """Mean of the values that are numbers (None / NaN skipped), NaN when there are none."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
 
 
 def _read_json(path: Path) -> dict:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +20,8 @@ A2_ENV = {
     "VLLM_USE_V1": "1",
 }
 OPEN_FILES = 65536
+READER_GRACE_S = 30  # for the child's last lines once it has exited
+TQ_DEFAULT_THREADS = 8  # transferqueue 0.1.11's TQ_NUM_THREADS default (client.py)
 _DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
 RAY_KIND = {"cuda": "GPU", "npu": "NPU"}
 
@@ -38,13 +41,24 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO) not in pythonpath:
         pythonpath.append(str(REPO))
-    env = {"PYTHONPATH": os.pathsep.join(pythonpath)}
+    env = {"PYTHONPATH": os.pathsep.join(pythonpath), "TQ_NUM_THREADS": transferqueue_threads()}
     if device == "npu":
         env.update(A2_ENV)
     if ifname:
         socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
         env.update({socket: ifname, "GLOO_SOCKET_IFNAME": ifname})
     return env
+
+
+def transferqueue_threads() -> str:
+    """TransferQueue's torch threads per put/get (TQ_NUM_THREADS): its default of 8, at most
+    this machine's physical cores. Above them, transfer_queue.utils.common warns on every
+    call (50k lines in 35 steps on 2 cores) and clamps; the nodes of a cluster are taken to be
+    alike."""
+    import psutil
+
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return str(min(TQ_DEFAULT_THREADS, cores))
 
 
 def raise_open_files(limit: int = OPEN_FILES) -> None:
@@ -89,11 +103,56 @@ def check_ray(device: str, expected: int) -> None:
         )
 
 
-def run_command(cmd: list[str], env: dict[str, str]) -> int:
+def run_command(cmd: list[str], env: dict[str, str], console=None) -> int:
     """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
     passed on to the child (which stops its run and its Ray job), and the launcher waits for
-    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports)."""
-    child = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO)
+    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports).
+
+    console (recipes.dapo.console.Console): the child's stdout and stderr, merged, pass
+    through its `feed` line by line; without one they go where this process's go. A
+    checkpoint the engine refused (the Console's `refusal`) raises that CheckpointError here,
+    in one line naming the log that holds the trainer's traceback."""
+    piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    extra = {"PYTHONUNBUFFERED": "1"} if console else {}  # lines as they are printed
+    child = subprocess.Popen(cmd, env={**os.environ, **env, **extra}, cwd=REPO,
+                             **(piped if console else {}))  # fmt: skip
+    with _signals_to(child):
+        if console:
+            reader = threading.Thread(target=_pass_lines, args=(child.stdout, console),
+                                      daemon=True)  # fmt: skip
+            reader.start()
+        while (code := _wait(child)) is None:
+            if console:
+                console.tick()
+    code = 128 - code if code < 0 else code
+    if console:
+        # a process the child left behind may hold the pipe open: do not wait for it forever
+        reader.join(timeout=READER_GRACE_S)
+        console.child_done(code)
+        if console.refusal:
+            from converters.hf_io import CheckpointError
+
+            raise CheckpointError(
+                f"{console.refusal} (the trainer's traceback: {console.log_path})"
+            )
+    return code
+
+
+def _wait(child: subprocess.Popen, poll_s: float = 5.0) -> int | None:
+    try:
+        return child.wait(timeout=poll_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _pass_lines(stream, console) -> None:
+    for line in stream:
+        console.feed(line)
+
+
+@contextmanager
+def _signals_to(child: subprocess.Popen):
+    """SIGINT / SIGTERM to this process go on to `child` meanwhile (main thread only)."""
 
     def forward(signum, frame) -> None:
         child.send_signal(signum)
@@ -102,8 +161,7 @@ def run_command(cmd: list[str], env: dict[str, str]) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in forwarded} if main_thread else {}
     try:
-        code = child.wait()
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code

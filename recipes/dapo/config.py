@@ -12,6 +12,7 @@ from typing import Any
 from verl.workers.config import ActorConfig, FSDPActorConfig
 from verl.workers.config.engine import EngineConfig
 
+from backend.guards import GuardSettings
 from backend.recompute import recompute_mode
 from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
 from recipes.dapo import BACKEND, check_actor_cp
@@ -41,6 +42,8 @@ class McoreEpEngineConfig(EngineConfig):
     packed: micro-batches as packed sequences (one [1, T] row, megatron-core THD
     PackedSeqParams; planned on real tokens) instead of right-padded [B, S]; needs our SDPA
     attention ("auto" then picks it on every device).
+    guards: the opt-in entropy floor and adaptive KL coefficient, off by default
+    (backend.guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
     """
 
     strategy: str = BACKEND
@@ -59,6 +62,7 @@ class McoreEpEngineConfig(EngineConfig):
     timing_dispatch: bool = DISPATCH_TIMING_DEFAULT
     router_replay: str = "disabled"
     packed: bool = False
+    guards: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +88,10 @@ class McoreEpEngineConfig(EngineConfig):
                 "packed=True needs attention='sdpa' (or 'auto'): megatron-core's local "
                 "attention has no packed-sequence (THD) path"
             )
+        try:
+            GuardSettings.from_dict(self.guards)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(
                 f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"

@@ -19,6 +19,9 @@ BaseEngine calls verl's workers make map onto our code:
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
+  guards              recipes.dapo.guards (mcore_ep.guards, off by default): the entropy floor's
+                      bonus and the adaptive KL term added to verl's loss, coefficients per
+                      optimizer step as guard/* metrics
   timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
                       forward_backward, grad_reduce, optimizer; between steps, counted in the
                       next one: weight_sync, offload, onload, old_log_prob. The last
@@ -49,11 +52,13 @@ from backend.timing import (
     MoEDispatchTimer,
     StepTimer,
     add_steps,
+    comm_layout,
     comm_share_warning,
     max_over_ranks,
 )
 from recipes.dapo import batches, weights
 from recipes.dapo.config import BACKEND
+from recipes.dapo.guards import EngineGuards
 from recipes.dapo.heads import head_from_hidden
 
 logger = logging.getLogger(__name__)
@@ -160,6 +165,8 @@ class McoreEpEngine(BaseEngine):
         self.timer, self.dispatch_timer = StepTimer(enabled=False), None
         self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
+        self._layout = None  # backend.timing.CommLayout, once timing is on
+        self.guards = EngineGuards(None)  # the opt-in loss guards (mcore_ep.guards)
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -188,6 +195,7 @@ class McoreEpEngine(BaseEngine):
         if c.forward_only:
             self.model = self.module
         else:
+            self.guards = EngineGuards(dict(c.guards))
             settings = OptimSettings.from_verl(self.optimizer_config)
             self.optim = make_optimizer(self.module, self.groups, settings)
             self.model = self.optim.model
@@ -205,6 +213,8 @@ class McoreEpEngine(BaseEngine):
         c = self.engine_config
         on = c.timing and not c.forward_only
         self.timer = StepTimer(self._torch_device, enabled=on)
+        if on:  # the comm-share warning's advice: nodes spanned or not
+            self._layout = comm_layout(self.groups)
         if on and c.timing_dispatch:
             self.dispatch_timer = MoEDispatchTimer(self.module, self.timer)
 
@@ -297,6 +307,7 @@ class McoreEpEngine(BaseEngine):
         routes = [self._routes(mb, phase) for mb in mbs]
         temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
+        entropy |= not forward_only and self.guards.needs_entropy  # the entropy floor's bonus
         this_pass = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
         if forward_only:
             with self.routing.phase(phase):
@@ -388,6 +399,8 @@ class McoreEpEngine(BaseEngine):
         loss, metrics = p.loss_function(
             model_output=model_output, data=mb.data, dp_group=self.groups.dp
         )
+        if not p.forward_only and self.guards.on:  # verl's loss as it is, then the guards'
+            loss = loss + self.guards.loss(model_output, mb.data, metrics)
         result.update(loss=float(loss.detach()), metrics=metrics)
         return result, loss
 
@@ -405,8 +418,9 @@ class McoreEpEngine(BaseEngine):
         fed to its model: prompt and response but each row's last). R2: the old-log-prob pass
         records the router's own routes (returned as `routed_experts`, which verl's trainer
         hands back to the update), the update forces them. Padding keeps the router's own
-        choice. The rollout's routes are the reference of the agreement metric, on response
-        tokens, in the old-log-prob pass (the rollout's weights); never in the ref pass."""
+        choice. The rollout's routes are the reference, on response tokens, of the agreement
+        metric (old-log-prob pass: the rollout's weights) and of the update's route match
+        (the experts the update used); never in the ref pass."""
         mode, keys = self.engine_config.router_replay, mb.data.keys()
         if phase == "ref":
             return {}
@@ -438,7 +452,7 @@ class McoreEpEngine(BaseEngine):
             mb.data["routed_experts"], mb, self._torch_device, not recorded
         )
         out = {"replay": routes if mode != "disabled" else None}
-        if phase == "old_log_prob":
+        if not recorded:  # the rollout's routes: agreement (old log-probs), route match (update)
             counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
             out["reference"] = type(routes)(routes.experts_BSLK, counted_BS)
         return out
@@ -513,6 +527,8 @@ class McoreEpEngine(BaseEngine):
         "timing" does, so a value per update would log the smallest update."""
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
+        guarded = self.guards.end_step(self.groups.dp, self._torch_device)
+        outputs["metrics"].update({k: [v] for k, v in guarded.items()})
         self._timing = add_steps(self._timing, self.timer.step_end())
         if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
             self.routing.end_trainer_step()
@@ -539,7 +555,7 @@ class McoreEpEngine(BaseEngine):
         step, last = self.timer.steps, self._comm_warned_at
         if last is not None and step - last < COMM_WARN_EVERY:
             return
-        warning = comm_share_warning(step, metrics)
+        warning = comm_share_warning(step, metrics, layout=self._layout)
         if warning is not None:
             self._comm_warned_at = step
             self.routing.add_warning(warning)
@@ -622,8 +638,10 @@ class McoreEpEngine(BaseEngine):
             )
         if with_optim:
             weights.check_optim_dir(root)
+        # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
         weights.check_sealed(
-            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
+            [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else []),
+            step_dir=root.parent,
         )
         self.onload(
             model=self.is_param_offload_enabled,
@@ -631,6 +649,7 @@ class McoreEpEngine(BaseEngine):
             grad=False,
         )
         weights.load_model(self.module, root / weights.MODEL_DIR)
+        self.routing.trainer_steps = int(meta.get("global_step", 0))  # the report's step axis
         if self.optim:
             self.optim.reload_model_params()
         if with_optim:

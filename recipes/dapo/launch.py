@@ -6,11 +6,16 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster.
 Local run (no accelerator, or --device cpu): the embedded CPU recipe.
 Everything after `--` passes through as verl overrides (or local-run flags).
+Console (recipes.dapo.console): the child's whole output goes to <run>/logs/launch_NNN.log;
+the screen shows a line per trainer step, each distinct warning once, the run-health
+alarms and the summary (`--verbose`: every line, as verl prints them).
 
-Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse or a missing file
-(one line naming it and the fix, before anything starts; --debug shows the traceback), the
-training child's own status otherwise (SIGINT / SIGTERM are passed on to it and it is waited
-for: 130 / 143 when it ends by them).
+Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse, a missing file or
+a checkpoint refused on resume (one line naming it and the fix; the launcher's own checks run
+before anything starts, the engine's refusal comes back from the training child with its
+traceback in the launch's log; --debug shows the tracebacks on the console: the launcher's and
+that one), the training child's own status otherwise (SIGINT / SIGTERM are passed on to it
+and it is waited for: 130 / 143 when it ends by them).
 """
 
 import argparse
@@ -21,7 +26,7 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, stack
+from recipes.dapo import BACKEND, check_actor_cp, cluster, data, overrides, resume, stack
 from recipes.dapo.cluster import LaunchError
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
@@ -71,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPORT",
         help="routing report of an earlier run: the EP skew the memory check assumes",
     )
-    p.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="tracebacks on the console: the launcher's, and the trainer's for a refused checkpoint",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of verl, Ray and the workers (they always go to the run's log)",
+    )
     local = p.add_argument_group(
         "local run (CPU only; a cluster run takes verl overrides after --)"
     )
@@ -106,6 +120,7 @@ class Resolved:
             lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
             lines += [f"  {line}" for line in self.skew_lines]
             lines += self._layout_and_warnings()
+        lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
         lines += replay_lines(self.groups, run.device)
         lines += ["environment (this process and every Ray worker):"]
         lines += [f"  {k}={v}" for k, v in run.env.items()]
@@ -134,30 +149,24 @@ class Resolved:
 
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
-    "npu": (
-        "vLLM >= 0.22 with a vllm-ascend built for it; the npu set's vllm 0.11.0 + "
-        "vllm-ascend 0.11.0rc1 (what fits torch 2.7.1) return no routed_experts, so on A2 "
-        "use R2 or disabled until a vllm-ascend for vLLM >= 0.22 fits the image "
-        "(check vllm-ascend's release notes)"
+    "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
+    "cpu": (
+        "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE "
+        "kernel's experts)"
     ),
-    "cpu": "the CPU rollout returns them",
 }
-
-
-def _override(groups: dict[str, dict], key: str):
-    return next(
-        (v for kv in groups.values() for k, v in kv.items() if overrides.key_of(k) == key), None
-    )
 
 
 def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
     """What routing replay needs from the rollout (printed by the dry run)."""
-    mode = str(_override(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled")
+    mode = str(
+        overrides.value_of(groups, f"actor_rollout_ref.actor.{BACKEND}.router_replay") or "disabled"
+    )
     if mode == "disabled":
         return []
     lines = [f'routing replay: {mode} (recipes/README.md, "Routing replay")']
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
-    on = str(_override(groups, key)).lower() == "true"
+    on = str(overrides.value_of(groups, key)).lower() == "true"
     if mode == "R3":
         source = R3_ROLLOUT[device]
         lines.append(f"  R3 needs the rollout's routed_experts: {source}")
@@ -199,14 +208,30 @@ def check_model(path: str) -> Path:
     return model
 
 
-def check_data(train: str | None, val: str | None, counts: bool = False) -> None:
-    """Each data file given (a dry run may give either or none)."""
-    for path, dataset in ((train, data.TRAIN), (val, data.VAL)):
-        if path is None:
-            continue
-        report = data.check_file(Path(path).expanduser(), dataset, counts=counts)
+def check_data(train: str | None, val: str | None, groups: dict, counts: bool = False) -> None:
+    """Each data file given (a dry run may give either or none), its data_source values
+    against the reward these overrides configure."""
+    given = [(p, d) for p, d in ((train, data.TRAIN), (val, data.VAL)) if p is not None]
+    scorer = reward_scorer(groups) if given else None
+    for path, dataset in given:
+        report = data.check_file(Path(path).expanduser(), dataset, counts=counts, scorer=scorer)
         if not report.ok:
             raise LaunchError(f"{dataset.name} {report.path}: " + "; ".join(report.problems))
+
+
+def reward_scorer(groups: dict):
+    """The scoring function verl's reward manager will use (data.check_file's `scorer`): None
+    for a custom_reward_function (it scores every data_source), else verl's default one."""
+    custom = overrides.value_of(groups, "reward.custom_reward_function.path")
+    if custom not in (None, "", "null"):
+        if not (cluster.REPO / Path(str(custom)).expanduser()).is_file():
+            raise LaunchError(
+                f"reward.custom_reward_function.path {custom} does not exist: pass the file "
+                "that defines the reward function (relative paths start at the repository)"
+            )
+        return None
+    manager = overrides.value_of(groups, "reward.reward_manager.name") or data.DAPO_MANAGER
+    return data.default_scorer(str(manager))
 
 
 def resolve(args, device: str, extra: list[str]) -> Resolved:
@@ -237,7 +262,6 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
     skew = _assumed_skew(args.skew_from)
     fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
-    check_data(args.train_file, args.val_file)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
         from converters.hf_io import shard_files
@@ -261,6 +285,8 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
+    check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
+    groups = overrides.name_the_run(groups)
     return Resolved(run, model_fit, groups, replaced, _skew_lines(model_fit, fit, skew))
 
 
@@ -320,14 +346,27 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ,
     )  # fmt: skip
     groups, replaced = overrides.merge(overrides.build(run), extra)
+    groups = overrides.name_the_run(groups)
+    _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
     return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _check_cpu_rollout_model(model: Path) -> None:
+    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
+    from recipes.local.cpu_limits import problems
+    from recipes.local.overrides import ROLLOUT_TP
+
+    found = problems(model, ROLLOUT_TP)
+    if found:
+        raise LaunchError(found[0])
 
 
 def _start_over(out: Path) -> None:
     """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
     import shutil
 
-    old = [out / "checkpoints", out / "metrics", out / "tensorboard"]
+    old = [out / "checkpoints", out / "metrics", out / "tensorboard", out / "logs",
+           out / "alarms.jsonl"]  # fmt: skip
     if any(p.exists() for p in old):
         print(f"starting over in {out} (add --resume to continue the run there)")
         for p in old:
@@ -339,21 +378,45 @@ def run(args, extra: list[str]) -> int:
     if device == "cpu":
         t0 = time.perf_counter()
         resolved, out, hf_dir = resolve_local(args, extra)
-        print(resolved.describe())
         if args.dry_run:
+            print(resolved.describe())
             return 0
         from recipes.local.run import run as run_local
 
-        return run_local(resolved, out, hf_dir, t0)
+        resume.check_resume(resolved.groups, cluster.REPO)  # what verl will unpickle, first
+        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug)
     resolved = resolve(args, device, extra)
-    print(resolved.describe())
     if args.dry_run:
+        print(resolved.describe())
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
+    resume.check_resume(resolved.groups, cluster.REPO)
     if device == "npu":
         cluster.raise_open_files()
     cluster.check_ray(device, resolved.run.plan.world)
-    return cluster.run_command(resolved.command, resolved.run.env)
+    return run_cluster(resolved, args.verbose, args.debug)
+
+
+def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False) -> int:
+    """verl's entry point through the console; then the routing report with the alarms. A
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster)."""
+    from recipes.dapo.console import next_index, open_console
+    from recipes.dapo.health import latest_actor_checkpoint, routing_report
+
+    run_dir = Path(resolved.run.ckpt_dir)
+    console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
+                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug)  # fmt: skip
+    try:
+        console.header(resolved.describe())
+        code = cluster.run_command(resolved.command, resolved.run.env, console)
+        actor = latest_actor_checkpoint(run_dir) if code == 0 else None
+        with console.capture():
+            written = routing_report(actor / "moe_report.json", run_dir) if actor else {}
+    finally:
+        console.close()
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,9 +219,24 @@ def build(run: RunSpec) -> dict[str, dict]:
     return groups
 
 
+def name_the_run(groups: dict[str, dict]) -> dict[str, dict]:
+    """The routing report's run name: the experiment name the run ends up with (after
+    pass-through overrides, which may replace it)."""
+    name = next((v for kv in groups.values() for k, v in kv.items()
+                 if key_of(k) == "trainer.experiment_name"), None)  # fmt: skip
+    if name is not None:
+        groups["engine"][f"{ENGINE}.monitor.run_name"] = quoted(str(name))
+    return groups
+
+
 def key_of(override: str) -> str:
     """The config path an override sets (without +, ++ or ~)."""
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def value_of(groups: dict[str, dict], key: str):
+    """The value an override sets for config path `key` (None when none does)."""
+    return next((v for kv in groups.values() for k, v in kv.items() if key_of(k) == key), None)
 
 
 def merge(groups: dict[str, dict], extra: list[str]) -> tuple[dict[str, dict], list[str]]:

@@ -1,20 +1,8 @@
 """The run's last checkpoint as an HF model, and a check that transformers reloads it exactly."""
 
-import re
 from pathlib import Path
 
 import torch
-
-
-def latest_actor_checkpoint(root: Path) -> Path | None:
-    """<root>/global_step_N/actor with the largest N (verl's layout), or None."""
-    steps = [
-        (int(m.group(1)), p / "actor")
-        for p in root.glob("global_step_*")
-        if (m := re.fullmatch(r"global_step_(\d+)", p.name))
-        and (p / "actor" / "meta.json").is_file()
-    ]
-    return max(steps)[1] if steps else None
 
 
 def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:

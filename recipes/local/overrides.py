@@ -6,7 +6,10 @@ loss, dynamic sampling on `acc`, GRPO, the dapo reward manager, the engine, chec
 resume) is the cluster's.
 """
 
-PLATFORM_MODULES = "recipes.local.platform,recipes.local.rollout"
+PLATFORM_MODULES = "recipes.local.platform"
+# vLLM's CPU backend: what it cannot do that the cluster's vLLM does (recipes/README.md)
+KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
+ROLLOUT_TP = 1
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
 # per-sample rollout path (timings: recipes/README.md, "The toy task")
 TOY = dict(
@@ -23,6 +26,14 @@ TOY = dict(
     test_freq=5,
     val_n=8,  # 8 samples of each validation prompt: a steadier yardstick
 )
+
+
+# run-health alarms (backend.monitor.alarms.AlarmRules; the rest at their defaults): the toy's
+# answer is one digit, so a solved policy is near deterministic. Its entropy falls from 3.4 to
+# 0.02-0.03 nats in 35 steps, by up to 74% within 5 steps (recorded in
+# tests/data/dapo_cpu_metrics.jsonl), which the defaults (floor 0.05, -50% in 10 steps) call
+# a collapse
+TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 
 def cpu_overrides(run) -> dict[str, dict]:
@@ -47,8 +58,13 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{a}.optim.lr_warmup_steps": TOY["warmup_steps"],
         },
         "rollout": {
-            f"{r}.name": "cpu",
-            f"{r}.tensor_model_parallel_size": world,  # one CPU server for all ranks
+            # one vLLM engine per actor rank (verl's replicas): the CPU MoE kernel pads expert
+            # slices to 32 on its first load, a layout later weight updates cannot load into
+            f"{r}.tensor_model_parallel_size": ROLLOUT_TP,
+            f"{r}.enforce_eager": True,  # no CUDA graphs, no inductor compile on CPU
+            f"+{r}.enable_sleep_mode": False,  # vLLM's sleep mode is CUDA/ROCm/XPU only
+            f"{r}.free_cache_engine": False,  # (it would need sleep mode)
+            f"+{r}.engine_kwargs.vllm.kv_cache_memory_bytes": KV_CACHE_BYTES,
             f"{r}.n": TOY["n"],
             f"{r}.max_num_batched_tokens": 256,
             f"{r}.log_prob_max_token_len_per_gpu": 4096,

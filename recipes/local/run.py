@@ -16,24 +16,27 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 METRICS = "metrics"  # verl's file logger, one jsonl per launch
-TINY_VOCAB = 32  # the task tokenizer's 26 tokens, rounded up
 
 
 def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     """<out>/tiny_hf (model + tokenizer) and <out>/data (train/val parquet), made once."""
-    from recipes.local.task import write_data, write_tokenizer
+    from transformers.utils.logging import disable_progress_bar
+
+    from recipes.local.task import VOCAB_SIZE, write_data, write_tokenizer
     from recipes.local.tiny_model import make_tiny_checkpoint
 
+    disable_progress_bar()  # the launcher's console shows no library progress bars
     hf_dir, data_dir = out / "tiny_hf", out / "data"
     if not (hf_dir / "tokenizer.json").is_file():
         tmp = out / ".tiny_hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(tmp, seed=seed, vocab_size=TINY_VOCAB, eos_token_id=2, pad_token_id=0)
+        make_tiny_checkpoint(tmp, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2, pad_token_id=0)
         write_tokenizer(tmp)
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.replace(tmp, hf_dir)
@@ -45,6 +48,7 @@ def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
 
 def job_env(repo: Path, out: Path) -> dict[str, str]:
     """The environment of the driver and (through ray_env) every Ray worker."""
+    from recipes.dapo.cluster import transferqueue_threads
     from recipes.local.overrides import PLATFORM_MODULES
 
     path = os.environ.get("PYTHONPATH", "")
@@ -56,14 +60,33 @@ def job_env(repo: Path, out: Path) -> dict[str, str]:
         # verl's file logger truncates its file: each launch (a resume too) gets its own
         "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
         "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
+        # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
+        # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_DEDUP_LOGS": "0",
+        "TQ_NUM_THREADS": transferqueue_threads(),
     }
 
 
-def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float = 0.9) -> int:
-    """Export, reload check, routing report, reward curve, summary (after verl returns)."""
-    from recipes.local.export import check_export, latest_actor_checkpoint
+def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float = 0.9,
+           console=None, world: int = 1) -> int:  # fmt: skip
+    """Export, reload check, routing report, reward curve, summary (after verl returns); with
+    a console (recipes.dapo.console) what that work prints goes to the run's log, and the
+    summary is the last thing on screen."""
+    with console.capture() if console else nullcontext():
+        summary = _finish_files(out, hf_dir, wall_s, verl_s, target, world)
+    if console:
+        console.close()
+    print_summary(summary)
+    diff = summary.get("export_max_logits_diff")
+    return 0 if diff is not None and diff < 1e-4 else 1
+
+
+def _finish_files(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float,
+                  world: int) -> dict:  # fmt: skip
+    from recipes.dapo.health import latest_actor_checkpoint, routing_report
+    from recipes.local.export import check_export
 
     history = read_history(out / METRICS)
     actor = latest_actor_checkpoint(out / "checkpoints")
@@ -72,14 +95,10 @@ def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float 
     if actor is not None:
         export_dir, diff = check_export(actor, hf_dir, out / "export_hf")
         paths["export"] = export_dir
-        paths.update(render_routing_report(actor / "moe_report.json", out))
+        paths.update(routing_report(actor / "moe_report.json", out))
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
-    summary = write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
-                            export_max_logits_diff=diff)  # fmt: skip
-    print_summary(summary)
-    if diff is not None:
-        print(f"export reloads in transformers: max |logits diff| = {diff:.2e}")
-    return 0 if diff is not None and diff < 1e-4 else 1
+    return write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
+                         world=world, export_max_logits_diff=diff)  # fmt: skip
 
 
 def next_metrics_file(folder: Path) -> Path:
@@ -106,23 +125,27 @@ def read_history(folder: Path) -> list[dict]:
     return [{"step": step, **data} for step, data in sorted(rows.items())]
 
 
-def render_routing_report(report: Path, out: Path) -> dict:
-    if not report.is_file():
-        return {}
-    from backend.monitor.render import render
-    from backend.monitor.report import load_report
-
-    shutil.copyfile(report, out / "routing_report.json")
-    html = render(load_report(out / "routing_report.json"), out / "routing_report") / "index.html"
-    return {"routing_report": out / "routing_report.json", "routing_html": html}
-
-
-def run(resolved, out: Path, hf_dir: Path, t0: float) -> int:
+def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
+        debug: bool = False) -> int:  # fmt: skip
+    """verl's trainer through the launcher's console (recipes.dapo.console), then finish. A
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster)."""
+    from backend.monitor.alarms import AlarmRules
     from recipes.dapo.cluster import run_command
+    from recipes.dapo.console import open_console
+    from recipes.local.overrides import TOY_ALARMS
 
-    code = run_command(resolved.command, resolved.run.env)
-    verl_s = time.perf_counter() - t0
-    if code != 0:
-        print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
-        return code
-    return finish(out, hf_dir, time.perf_counter() - t0, verl_s)
+    env = resolved.run.env
+    index = int(Path(env["VERL_FILE_LOGGER_PATH"]).stem.removeprefix("launch_"))
+    console = open_console(out, index, verbose, resolved.run.steps, env["TENSORBOARD_DIR"],
+                           AlarmRules(**TOY_ALARMS), debug=debug)  # fmt: skip
+    try:
+        console.header(resolved.describe())
+        code = run_command(resolved.command, env, console)
+        verl_s = time.perf_counter() - t0
+        if code != 0:
+            print(f"error: verl's trainer exited with status {code}", file=sys.stderr)
+            return code
+        return finish(out, hf_dir, time.perf_counter() - t0, verl_s, console=console,
+                      world=resolved.run.plan.world)  # fmt: skip
+    finally:
+        console.close()

@@ -33,17 +33,18 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
     return out
 
 
-def comm_share_summary(history: list[dict]) -> dict:
+def comm_share_summary(history: list[dict], world: int = 1) -> dict:
     """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
-    is over 30% (backend.timing.comm_share_warning, the steps' mean seconds as its parts)."""
-    from backend.timing import comm_share_warning
+    is over 30% (backend.timing.comm_share_warning, the steps' mean seconds as its parts; the
+    advice for one node of `world` ranks)."""
+    from backend.timing import CommLayout, comm_share_warning
 
     rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
     if not rows:
         return {}
     keys = {k for r in rows for k in r if k.startswith(ACTOR_TIMING)}
     means = {k.removeprefix("actor/"): sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-    warning = comm_share_warning(rows[-1]["step"], means)
+    warning = comm_share_warning(rows[-1]["step"], means, layout=CommLayout(world))
     return {
         "comm_share_mean": round(means["timing/comm_share"], 4),
         "comm_share_warning": warning.line() if warning else None,
@@ -75,7 +76,7 @@ def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
 
 
 def write_summary(out: Path, history: list[dict], target: float, paths: dict, wall_s: float,
-                  startup_s: float, **extra) -> dict:  # fmt: skip
+                  startup_s: float, world: int = 1, **extra) -> dict:  # fmt: skip
     """Write reward_curve.png and summary.json under `out`; return the summary dict."""
     validated = [r for r in history if REWARD_KEY in r]
     reached = first_step_at(validated, REWARD_KEY, target)
@@ -94,7 +95,7 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
             60 * len(steps) / max(sum(r.get("timing_s/step", 0) for r in steps), 1e-9), 2
         ),
         "reward_curve": str(plot_reward_curve(history, out / "reward_curve.png", target)),
-        **comm_share_summary(history),
+        **comm_share_summary(history, world),
         **{k: str(v) if v is not None else None for k, v in paths.items()},
         **extra,
     }
@@ -121,4 +122,7 @@ def print_summary(summary: dict) -> None:
                 "checkpoint"):  # fmt: skip
         if summary.get(key):
             print(f"{key}: {summary[key]}")
+    if summary.get("export_max_logits_diff") is not None:
+        print("export reloads in transformers: max |logits diff| = "
+              f"{summary['export_max_logits_diff']:.2e}")  # fmt: skip
     print(f"wall time: {summary['wall_s']:.1f}s")

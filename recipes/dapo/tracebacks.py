@@ -1,0 +1,87 @@
+"""The training child's dying traceback: held back from the console until the child's end
+says what it was, a checkpoint the engine refused told in one line.
+
+The engine refuses a checkpoint with converters' CheckpointError (or a subclass) inside an actor
+worker. Through Ray it reaches verl's driver as a RayTaskError, which the trainer prints
+(Hydra's "Error executing job ..." and ~95 lines of traceback) before it exits with status 1.
+The launcher's console (recipes.dapo.console) hands every line of the child to `Tracebacks`:
+from the start of a traceback of the child's own (not a Ray worker's prefixed one) the lines
+are held. When the child exited and they end in a refusal, `refusal()` is its message (the
+launcher stops with it in one line, exit 2; the traceback stays in the run's log, and reaches
+the console too with --debug); otherwise the console shows them, and so it does when the
+child outlives them by HOLD_S (a traceback it logged and survived).
+"""
+
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+HOLD_S = 30.0  # a child still running this long after a traceback survived it
+RECOGNISED_LINES = 400  # of the last traceback on, where a refusal is looked for
+# where an uncaught error's report starts in the child's own output (torch.distributed prefixes
+# "[rankN]: "; Ray's worker lines carry a "(Name pid=N)" prefix: not the child's own)
+STARTS = re.compile(
+    r"(\[rank\d+\]: )?(Error executing job with overrides:|Traceback \(most recent)"
+)
+_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\w+ pid=\d+[^)]*\)|\[rank\d+\]:)(\x1b\[[0-9;]*m)* ?")
+
+
+def refusal_classes() -> tuple[str, ...]:
+    """`module.Class` of CheckpointError and every subclass the engine's checks raise."""
+    import converters.manifest  # noqa: F401  (ManifestError)
+    import converters.safe_pickle  # noqa: F401  (UnsafeCheckpointError)
+    from converters.hf_io import CheckpointError
+
+    found, todo = [], [CheckpointError]
+    while todo:
+        cls = todo.pop()
+        found.append(f"{cls.__module__}.{cls.__qualname__}")
+        todo += cls.__subclasses__()
+    return tuple(found)
+
+
+def refusal_in(lines) -> str | None:
+    """The message of the last CheckpointError a traceback in `lines` (text) ends with."""
+    prefixes = tuple(f"{name}: " for name in refusal_classes())
+    found = None
+    for line in lines:
+        text = _PREFIX.sub("", line).strip()
+        for prefix in prefixes:
+            if text.startswith(prefix):
+                found = text[len(prefix) :]
+    return found
+
+
+@dataclass
+class Tracebacks:
+    """The child's lines from its last traceback on, and those held back from the console."""
+
+    held: list[str] = field(default_factory=list)
+    held_since: float | None = None
+    last: deque | None = None  # the lines from the last traceback's start (None: none yet)
+
+    def hold(self, raw: str) -> bool:
+        """Note a line of the child's; True when it is held back (shown by `release`)."""
+        if STARTS.match(raw) and self.held_since is None:  # not a chained part of the held
+            self.last = deque(maxlen=RECOGNISED_LINES)
+            self.held_since = time.monotonic()
+        if self.last is not None:
+            self.last.append(raw)
+        if self.held_since is None:
+            return False
+        self.held.append(raw)
+        return True
+
+    def stale(self) -> bool:
+        """The child has outlived the held lines by HOLD_S."""
+        return self.held_since is not None and time.monotonic() - self.held_since > HOLD_S
+
+    def release(self) -> list[str]:
+        """The held lines, to be shown now; nothing is held after."""
+        held, self.held, self.held_since = self.held, [], None
+        return held
+
+    def refusal(self) -> str | None:
+        """The refusal the last traceback ends with (asked once the child has failed)."""
+        return refusal_in(self.last) if self.last else None
