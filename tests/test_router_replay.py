@@ -392,7 +392,10 @@ def test_p99_is_the_nearest_rank_percentile():
 @pytest.mark.slow
 def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
     """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on; tp2, ep2 and
-    tp2 x ep2 in one spawn (megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1)."""
+    tp2 x ep2 in one spawn (megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1). Each
+    DP replica's ranks together check exactly the tokens it fed: catches a fed token the
+    router never routes as a real one (each row's first token marked as padding in the
+    micro-batch's mask), as the world-1 test does, on every plan."""
     from packaging.version import Version
 
     from backend.compat import mcore_version
