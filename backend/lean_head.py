@@ -178,6 +178,7 @@ class _LeanHead(torch.autograd.Function):
             logp_T[sl], lse_T[sl], ent_C = _chunk_stats(
                 z_CV, labels_T[sl], vocab_start, group, entropy
             )
+            del z_CV  # before the next chunk's matmul: two [C, V/tp] buffers at most
             if entropy:
                 entropy_T[sl] = ent_C
         ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T, entropy_T)
@@ -209,6 +210,7 @@ class _LeanHead(torch.autograd.Function):
                 grad_weight_VH.addmm_(grad_CV.t(), hidden_TH[sl].float())
             if grad_hidden_TH is not None:
                 grad_hidden_TH[sl] = grad_CV.to(weight_VH.dtype) @ weight_VH
+            del grad_CV  # before the next chunk's two buffers (a third held 1.5x the memory)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
         return grad_hidden_TH, grad_weight_VH, None, None, None, None

@@ -1,8 +1,11 @@
 """Measure what decoder layers save for backward, to check the activation formula.
 
 Counts distinct tensor storages handed to autograd (saved_tensors_hooks) while a decoder
-layer runs forward, leaving out parameters. That is the memory backward keeps alive,
-which peak RSS or tracemalloc cannot isolate on CPU.
+layer runs forward, leaving out parameters and the cached causal mask (both live whether or
+not backward keeps them), at their size once the forward is over: a storage freed after it
+was saved (megatron-core's CheckpointWithoutOutput discards its output and recomputes it in
+backward) counts 0. That is the memory backward keeps alive, which peak RSS or tracemalloc
+cannot isolate on CPU.
 """
 
 from contextlib import contextmanager
@@ -14,19 +17,22 @@ import torch
 class _SavedStorages:
     def __init__(self, excluded: set[int]) -> None:
         self.excluded = excluded
-        self.bytes_by_storage: dict[int, int] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}
         self.depth = 0  # > 0 while inside a measured module
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        from backend.forward import is_causal_mask
+
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if self.depth and key not in self.excluded:
-            self.bytes_by_storage[key] = storage.nbytes()
+        if self.depth and key not in self.excluded and not is_causal_mask(tensor):
+            self.storages[key] = storage
         return tensor
 
     @property
     def total(self) -> int:
-        return sum(self.bytes_by_storage.values())
+        """Bytes of the saved storages now (a storage resized to 0 since counts 0)."""
+        return sum(storage.nbytes() for storage in self.storages.values())
 
 
 @contextmanager
@@ -65,11 +71,12 @@ class ActivationCheck:
 
 
 def check_tiny_activations(
-    groups, tokens: int, seed: int = 0, ours: bool = False
+    groups, tokens: int, seed: int = 0, ours: bool = False, recompute: str = "none"
 ) -> ActivationCheck:
     """Tiny model on one CPU rank (fp32, local spec): measured vs estimated decoder bytes.
 
     ours: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
+    recompute: "none" or "selective" (what a layer keeps under each, parallel.activations).
     `groups` comes from backend.distributed.init_parallel on a world of one.
     """
     from transformers import Qwen3MoeConfig
@@ -88,9 +95,10 @@ def check_tiny_activations(
         if ours
         else dict(experts="sequential", attention="local")
     )
-    model = build_model(
-        spec, groups, BuildOptions(device="cpu", dtype=torch.float32, spec="local", **modules)
+    options = BuildOptions(
+        device="cpu", dtype=torch.float32, spec="local", recompute=recompute, **modules
     )
+    model = build_model(spec, groups, options)
     input_ids = torch.randint(0, spec.vocab_size, (1, tokens))
     with saved_bytes_inside(model, list(model.decoder.layers)) as counter:
         forward_logits(model, input_ids)
@@ -100,5 +108,6 @@ def check_tiny_activations(
         tokens,
         b=4,
         kernels=OURS_ON_CPU_KERNELS if ours else LOCAL_SPEC_KERNELS,
+        selective=recompute == "selective",
     )
     return ActivationCheck(tokens, counter.total, spec.num_layers * per_layer)

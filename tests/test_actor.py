@@ -8,6 +8,7 @@ is lr * sign(g) for tiny g, so comparing updated parameters would test rounding 
 import pytest
 import torch
 
+from backend.forward import next_token_log_probs
 from backend.model import build_model
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
@@ -20,22 +21,38 @@ MAX_NORM = 0.5
 
 
 def _world1_step(world1, hf_dir, max_norm):
+    """(metrics, torch's norm of the gradients the step left (clipped), model)."""
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, world1)
     load_hf_into_model(model, read_state_dict(hf_dir), spec)
     actor = McoreActor(model, world1, OptimConfig(lr=1e-2, grad_clip=max_norm))
     ids = global_batch(spec.vocab_size)
-    # the norm torch computes on the same gradients, before the step
-    loss, _ = nll_token_mean(actor.log_probs([{"input_ids": ids}])[0], None)
     metrics = actor.train_step([{"input_ids": ids}], nll_token_mean)
-    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    return metrics, expected, model
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    return metrics, clipped, model
+
+
+def _torch_grad_norm(world1, hf_dir) -> float:
+    """torch's total norm of the same loss's gradients on a fresh model: unclipped."""
+    spec = load_qwen3_moe_spec(hf_dir)
+    model = build_model(spec, world1)
+    load_hf_into_model(model, read_state_dict(hf_dir), spec)
+    ids = global_batch(spec.vocab_size)
+    loss, _ = nll_token_mean(next_token_log_probs(model, ids), None)
+    loss.backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
 
 
 def test_world1_grad_norm_is_torchs_and_clipping_applies(world1, tiny_hf_dir):
-    metrics, unclipped_after, model = _world1_step(world1, tiny_hf_dir, MAX_NORM)
+    """The reported norm is torch's norm of the unclipped gradients; clipping leaves them at
+    max_norm. Catches a reported norm that is not the one clipped by (clip_grads returning
+    norm ** 2: clipping stays right and the norm still exceeds max_norm)."""
+    metrics, clipped, model = _world1_step(world1, tiny_hf_dir, MAX_NORM)
+    assert metrics["actor/grad_norm"] == pytest.approx(
+        _torch_grad_norm(world1, tiny_hf_dir), rel=1e-6
+    )
     assert metrics["actor/grad_norm"] > MAX_NORM  # the tiny model's first step is clipped
-    assert unclipped_after == pytest.approx(MAX_NORM, rel=1e-4)  # grads left at max_norm
+    assert clipped == pytest.approx(MAX_NORM, rel=1e-4)  # grads left at max_norm
     assert metrics["loss"] > 0
 
 

@@ -59,6 +59,9 @@ def hf_step(model, cfg, ids, attention, response, splits):
 
 @pytest.mark.parametrize("kind", ["global_batch", "sequence"])
 def test_hf_model_matches_mcore(hf_model, world1, tiny_hf_dir, kind):
+    """The hook on transformers' model = on megatron-core's, gradients within the fp32 rtol
+    1e-4 of the other gradient checks. Catches the HF side's router logits off by 1e-4
+    relative (scaled by 1.0001), which the earlier rtol 1e-3 / atol 1e-7 let through."""
     data = batch(hf_model.config.vocab_size)
     mcore_metrics, mcore_grads = aux_step(
         _tiny_mcore(world1, tiny_hf_dir), world1, config(kind), *data, [3, 5]
@@ -69,7 +72,7 @@ def test_hf_model_matches_mcore(hf_model, world1, tiny_hf_dir, kind):
         assert metrics[key] == pytest.approx(value, rel=1e-4), key
     for layer, grad in grads.items():
         torch.testing.assert_close(
-            grad, mcore_grads[MCORE_ROUTER.format(layer)], rtol=1e-3, atol=1e-7
+            grad, mcore_grads[MCORE_ROUTER.format(layer)], rtol=1e-4, atol=1e-8
         )
 
 

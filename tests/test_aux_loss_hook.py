@@ -179,13 +179,17 @@ def test_global_batch_matches_reference_for_any_split(
     metrics, grads = aux_step(model, world1, config("global_batch"), *data, splits)
     assert_matches(metrics, grads, *global_reference)
     assert metrics["moe/aux_loss/applied"] == 1.0
+    assert metrics["moe/aux_loss/grad_scale"] == 1.0  # every router call's backward carried it
 
 
 def test_global_batch_with_recompute_adds_the_loss_once(
     model_recompute, world1, data, global_reference
 ):
+    """The replayed router call attaches its aux term; the first forward (no grad) only logs:
+    one term per call reaches backward (grad_scale 2 if both attached)."""
     metrics, grads = aux_step(model_recompute, world1, config("global_batch"), *data, [3, 5])
     assert_matches(metrics, grads, *global_reference)
+    assert metrics["moe/aux_loss/grad_scale"] == 1.0
 
 
 @pytest.mark.parametrize(

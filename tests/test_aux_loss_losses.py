@@ -190,7 +190,7 @@ def test_config_accepts_and_describes():
 def test_metric_dict_keys_and_total():
     config = AuxLossConfig(mode="on", type="sequence", coeff=0.5, z_coeff=0.1)
     out = metric_dict(
-        config, torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([2.0, 4.0])
+        config, torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([2.0, 4.0]), 2.0
     )
     assert out == {
         "moe/aux_loss/load_balancing/layer_0": 1.0,
@@ -201,4 +201,5 @@ def test_metric_dict_keys_and_total():
         "moe/aux_loss/z_loss/mean": 3.0,
         "moe/aux_loss/total": pytest.approx(0.5 * 4.0 + 0.1 * 6.0),
         "moe/aux_loss/applied": 1.0,
+        "moe/aux_loss/grad_scale": 2.0,
     }

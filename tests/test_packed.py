@@ -10,6 +10,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from backend.common import round_up
+from tests.aux_gradient import aux_settings
 from tests.test_verl_engine import (
     LENGTHS,
     _engine_grads,
@@ -203,7 +204,7 @@ def test_packed_log_probs_and_entropy_equal_padded(engines, max_tokens):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"{key} row {row}")
 
 
-AUX_ON = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
+AUX_ON = aux_settings("global_batch")  # the coefficients of tests/aux_gradient.py's reference
 
 
 @pytest.mark.parametrize(
@@ -211,9 +212,12 @@ AUX_ON = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
     [{}, {"recompute": True}, {"aux_loss": AUX_ON, "recompute": True}, {"ladder": 16}],
     ids=["plain", "recompute", "aux-loss-global-batch", "ladder16"],
 )
-def test_packed_loss_and_gradients_equal_padded(make_engine, extra):
+def test_packed_loss_and_gradients_equal_padded(make_engine, extra, world1, tiny_hf_dir):
     """Also with the router aux loss applied (global_batch: its counting pass runs packed),
-    and with packed totals on a ladder of 16 tokens (more padding, the same results)."""
+    whose router gradient, packed, is the reference's (tests/aux_gradient.py), and with packed
+    totals on a ladder of 16 tokens (more padding, the same results). Catches a packed path
+    that differs from the padded one (loss, gradients, metrics), and with the aux loss an aux
+    gradient scaled to 0 (both paths would agree without it)."""
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
     extra = dict(extra)
     ladder = {"packed_length_step": extra.pop("ladder")} if "ladder" in extra else {}
@@ -223,6 +227,16 @@ def test_packed_loss_and_gradients_equal_padded(make_engine, extra):
         data = make_batch(max_tokens=24, seeds=(0, 1))
         _on_policy(engine, data)
         results.append(_engine_grads(engine, data, loss_fn))
+    if "aux_loss" in extra:
+        from tests.aux_gradient import assert_aux_gradient, reduced_router_grads
+        from tests.aux_gradient import reference as aux_reference
+
+        on = reduced_router_grads(engine, data, loss_fn)
+        plain = {k: v for k, v in extra.items() if k != "aux_loss"}
+        off = reduced_router_grads(
+            make_engine(attention="sdpa", packed=True, **plain), data, loss_fn
+        )
+        assert_aux_gradient(on, off, aux_reference(world1, tiny_hf_dir, "global_batch", data))
     (out_pad, grads_pad), (out_pack, grads_pack) = results
     assert sum(out_pack["loss"]) == pytest.approx(sum(out_pad["loss"]), rel=1e-5)
     moe = [k for k in out_pad["metrics"] if k.startswith("moe/")]

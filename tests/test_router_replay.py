@@ -118,6 +118,14 @@ def forced_mismatches(watch: Watch) -> tuple[int, int, int]:
     return checked, wrong, recomputes
 
 
+def fed_router_tokens(recompute: bool = False) -> int:
+    """Router-call tokens one DP replica's marked_batch feeds a pass: every row but its last
+    token (LENGTHS), in each layer; with full recompute the update's replays again."""
+    from tests.test_verl_engine import LENGTHS
+
+    return LAYERS * sum(p + r - 1 for p, r in LENGTHS) * (2 if recompute else 1)
+
+
 def sum_loss(model_output, data, dp_group=None):
     """A loss whose gradient reaches every router: the sum of the response log-probs."""
     return model_output["log_probs"].values().sum(), {}
@@ -152,7 +160,12 @@ def r3_update_rank(rank, hf_dir, tp, ep, recompute, pp=1, rollout="cpu"):
     with engine.train_mode():
         engine.optimizer_zero_grad()
         engine.forward_backward_batch(data, sum_loss)
-    return {"old_log_prob": old, "update": forced_mismatches(watch), "given": given}
+    return {
+        "old_log_prob": old,
+        "update": forced_mismatches(watch),
+        "given": given,
+        "dp_rank": engine.get_data_parallel_rank(),
+    }
 
 
 @pytest.fixture
@@ -169,13 +182,17 @@ def engine_of(world1, tiny_hf_dir, monkeypatch):
 def test_r3_routes_every_fed_token_as_the_rollout(
     world1, tiny_hf_dir, monkeypatch, recompute, rollout
 ):
-    """int16 rows of every token (the CPU rollout) or uint8 rows of all but the last (vLLM):
-    routed token for token, the ids moved to the routers as uint8 (8 experts)."""
+    """Every token the rollout fed, counted exactly, in both passes (and recompute's replays):
+    int16 rows of every token (the earlier CPU rollout's layout) or uint8 rows of all but the
+    last (vLLM's), the ids moved to the routers as uint8 (8 experts). Catches a fed token the
+    router never routes as a real one (each row's first token marked as padding in the
+    micro-batch's mask): no mismatch there, fewer checked than fed."""
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     result = r3_update_rank(0, str(tiny_hf_dir), 1, 1, recompute, rollout=rollout)
     for phase in ("old_log_prob", "update"):
         checked, wrong, _ = result[phase]
-        assert checked > 0 and wrong == 0, f"{phase}: {wrong} of {checked} tokens off the rollout"
+        fed = fed_router_tokens(recompute and phase == "update")
+        assert (checked, wrong) == (fed, 0), f"{phase}: {wrong} of {checked} off, {fed} fed"
     assert (result["update"][2] > 0) == recompute  # recompute's replays were checked too
     assert result["given"] == {(0, LAYERS, torch.uint8)}
 
@@ -454,7 +471,9 @@ def test_p99_is_the_nearest_rank_percentile():
 def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
     """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on; tp2, ep2,
     tp2 x ep2 and pp2 (vLLM's uint8 routes) in one spawn (megatron-core 0.12.1 cannot run
-    tp=2 with ep=1 and etp=1)."""
+    tp=2 with ep=1 and etp=1). Each DP replica's ranks together check exactly the tokens it
+    fed: catches a fed token the router never routes as a real one (each row's first token
+    marked as padding in the micro-batch's mask), as the world-1 test does, on every plan."""
     from packaging.version import Version
 
     from backend.compat import mcore_version
@@ -470,14 +489,21 @@ def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
         plans, run_plans(r3_update_rank, 2, plans, str(tiny_hf_dir)), strict=True
     ):
         for rank, result in enumerate(results):
-            for phase in ("old_log_prob", "update"):
-                checked, wrong, _ = result[phase]
-                where = f"tp={tp} ep={ep} pp={pp[:1]} rank {rank} {phase}"
-                assert checked > 0 and wrong == 0, f"{where}: {wrong} of {checked} off"
             assert (result["update"][2] > 0) == recompute, f"tp={tp} ep={ep} rank {rank}"
             # pp=2 (uint8 routes as vLLM returns them): each stage is handed its layer only
             layers = (rank, 1) if pp else (0, LAYERS)
             assert result["given"] == {(*layers, torch.uint8)}, f"tp={tp} ep={ep} rank {rank}"
+        for phase in ("old_log_prob", "update"):
+            # each rank checks its sequence-parallel slice or its stage's layer: a DP
+            # replica's ranks add up
+            checked: dict[int, int] = {}
+            for rank, result in enumerate(results):
+                seen, wrong, _ = result[phase]
+                where = f"tp={tp} ep={ep} pp={pp[:1]} rank {rank} {phase}"
+                assert wrong == 0, where
+                checked[result["dp_rank"]] = checked.get(result["dp_rank"], 0) + seen
+            fed = fed_router_tokens(recompute and phase == "update")
+            assert checked == dict.fromkeys(checked, fed), f"tp={tp} ep={ep} {phase}: {checked}"
 
 
 @pytest.mark.parametrize("mode", ["disabled", "R3"])

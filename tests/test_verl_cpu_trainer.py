@@ -75,8 +75,12 @@ def test_dynamic_sampling_evicts_groups_without_variance(run3):
 
 
 def test_monitor_and_aux_loss_act_inside_verls_update(run3):
+    """The aux loss's gradient went back through every router call of verl's updates at the
+    DP scale (1 here): catches an aux gradient scaled to 0 or never reaching backward, which
+    `applied` (the setting) cannot."""
     row = history(run3[0])[3]
     assert row["actor/moe/aux_loss/applied"] == 1.0
+    assert row["actor/moe/aux_loss/grad_scale"] == 1.0
     assert row["actor/moe/update/tokens"] > 0 and row["actor/moe/old_log_prob/tokens"] > 0
     assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
     report = json.loads((run3[0] / "routing_report.json").read_text())
@@ -130,16 +134,100 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     assert "export reloads in transformers" in proc.stdout
 
 
+# The resume checks, as helpers another launch can call: tag the training prompts before the
+# killed run, read its dataloader position from a save, then check the resumed run's load line
+# and the prompts of its first step.
+
+
+def tag_train_rows(data: Path) -> int:
+    """Rewrite data/train.parquet with each prompt prefixed by its row ("17*3+3="), so that the
+    rows a run trains on can be read from its rollout dump; same rows, order and lengths of
+    the dataloader's epoch. Returns the row count."""
+    import pandas as pd
+
+    train = pd.read_parquet(data / "train.parquet")
+    train["prompt"] = [
+        [{**turn, "content": f"{row}*{turn['content']}"} for turn in prompt]
+        for row, prompt in enumerate(train["prompt"])
+    ]
+    train.to_parquet(data / "train.parquet")
+    return len(train)
+
+
+def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
+    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
+    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
+    import torch
+
+    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
+    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
+    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
+
+
+def trained_rows(dump: Path) -> set[int]:
+    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
+
+
+def checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
+    """The checkpoint's weights' L2 norm, read by the converters (not megatron-core)."""
+    from converters.cli import main as converters_main
+    from converters.hf_io import read_state_dict
+    from tests.test_verl_engine import weights_norm_of
+
+    argv = ["mcore-to-hf", str(actor), str(tmp), "--template", str(template), "--no-progress"]
+    assert converters_main(argv) == 0
+    return weights_norm_of(read_state_dict(tmp).values())
+
+
+def check_resumed_weights(log: str, saved: Path, step: int, template: Path, tmp: Path) -> None:
+    """The engine's load line in `log` names `saved` (a global_step_N folder): its global
+    step, the optimizer update its schedule recorded, and the norm of its weights as the
+    converters read them (a no-op load: update 0 and the HF weights' norm)."""
+    from tests.test_verl_engine import loaded_line
+
+    loaded_step, update, norm = loaded_line(log, saved / "actor")
+    schedule = json.loads((saved / "actor/optim/dist_ckpt/schedule.json").read_text())
+    assert (loaded_step, update) == (step, schedule["updates"]) and update > 0
+    assert norm == pytest.approx(checkpoint_norm(saved / "actor", template, tmp), rel=1e-9)
+
+
+def check_resumed_prompts(
+    killed: tuple[int, list[int]], resumed: Path, dump: Path, rows: int, batch: int = 8
+) -> None:
+    """The first resumed step trained (rollout dump `dump`) the `batch` prompts after the
+    killed run's position (`killed`: its save's sampler_state) and before the resumed save's
+    (`resumed`: a global_step_N folder): the dataloader state was restored (without data.pt
+    the epoch starts again: the first prompts)."""
+    drawn, order = killed
+    drawn_after, _ = sampler_state(resumed / "data.pt", rows)
+    positions = sorted(order.index(row) for row in trained_rows(dump))
+    assert len(positions) == batch and drawn <= positions[0] and positions[-1] < drawn_after, (
+        f"the resumed step trained the prompts at positions {positions}; the killed run had "
+        f"drawn {drawn}, the resumed one {drawn_after}"
+    )
+
+
 @pytest.mark.trainer_flow
 def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     """A run killed while writing its step-3 save in the background: its step-2 save is the
     newest complete one; resume_mode=auto loads it (one line says why) and trains step 3,
-    whose save replaces the half-written one.
+    whose save replaces the half-written one. Checked from inside the resumed run: the
+    engine's load line names the checkpoint's step and update and its weights' norm (read
+    from the files by the converters), and the prompts of step 3 are the dataloader's next
+    ones after the killed run's position (data.pt). Catches a no-op load
+    (recipes/dapo/engine.py's load_checkpoint reading neither model nor optimizer state:
+    update 0, the HF weights' norm) and a dataloader not restored (the save's data.pt
+    missing: step 3 draws the epoch's first prompts again).
 
     On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
     load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
     src, _ = run3
     out = resumable_copy(src, tmp_path / "resumed")
+    train_rows = tag_train_rows(out / "data")
+    saved = out / "checkpoints" / "global_step_2"
+    killed = sampler_state(saved / "data.pt", train_rows)  # where the killed run was
     half = out / "checkpoints" / "global_step_3"
     shutil.copytree(src / "checkpoints" / "global_step_3", half)
     for d in half.glob("actor/*/dist_ckpt"):  # as a kill before the writes were finalized
@@ -149,17 +237,21 @@ def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
     # the killed run logged steps 1-2 and half a line of step 3
     (out / "metrics").mkdir()
     (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
-    proc = launch(out, "--resume", "--steps", "3", overrides=("trainer.save_freq=2",))
+    dump = out / "rollouts"
+    proc = launch(out, "--resume", "--steps", "3",
+                  overrides=("trainer.save_freq=2", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
     assert proc.returncode == 0
     assert "Resuming from" in (out / "logs" / "launch_001.log").read_text()
     assert (
         f"resuming from {out / 'checkpoints/global_step_2'}, the newest complete checkpoint: "
         f"{half} was not completely written" in proc.stdout
     )
+    log = (out / "logs" / "launch_001.log").read_text()  # the console shows less
+    check_resumed_weights(log, saved, 2, src / "tiny_hf", tmp_path / "hf")
+    check_resumed_prompts(killed, out / "checkpoints/global_step_3", dump / "3.jsonl", train_rows)
     resumed = history(out)
     assert sorted(resumed) == [1, 2, 3]
-    # step 3 ran on the checkpoint's weights: the rollout got them through the sync after
-    # the load, and the actor's log-probs agree with the rollout's
+    # the rollout got the loaded weights through the sync: its log-probs are the actor's
     assert resumed[3]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
     assert resumed[3]["training/global_step"] == 3
     assert (

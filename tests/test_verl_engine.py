@@ -249,29 +249,46 @@ def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
     assert all(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
 
 
-def test_router_aux_loss_on_adds_its_metrics(make_engine):
-    engine = make_engine(aux_loss={"mode": "on", "type": "global_batch", "coeff": 1e-2})
-    data = make_batch()
-    _on_policy(engine, data)
-    out, _ = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
-    assert out["metrics"]["moe/aux_loss/applied"] == [1.0]
-    assert out["metrics"]["moe/aux_loss/load_balancing/mean"][0] > 0
+@pytest.mark.parametrize("kind", ["sequence", "global_batch"])
+def test_router_aux_loss_adds_the_reference_gradient(make_engine, world1, tiny_hf_dir, kind):
+    """(aux on) - (aux off) of the router gradients under verl's DAPO loss, at world 1, is
+    the aux loss's gradient written out by hand (tests/aux_gradient.py), and the logged
+    per-layer values are its values. Catches the aux gradient scaled to 0 (the scale passed
+    to backend.aux_loss.attach.with_aux_grad) or never attached, a wrong loss formula."""
+    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.aux_gradient import reference as aux_reference
+
+    data, loss_fn = make_batch(), partial(ppo_loss, config=dapo_actor_config())
+    off = make_engine()
+    _on_policy(off, data)
+    grads_off = reduced_router_grads(off, data, loss_fn)
+    on = reduced_router_grads(make_engine(aux_loss=aux_settings(kind)), data, loss_fn)
+    assert on[0]["moe/aux_loss/applied"] == [1.0]
+    assert_aux_gradient(on, grads_off, aux_reference(world1, tiny_hf_dir, kind, data))
 
 
 GLOBAL_BATCH = {"mode": "on", "type": "global_batch", "coeff": 1e-2}
 
 
-def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(make_engine):
+def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(
+    make_engine, world1, tiny_hf_dir
+):
     """One update per trainer step (the weights of the old-log-prob pass): the f counts the
     update uses are the old-log-prob pass's, and equal the counting pass's, exactly; so are
-    the aux loss and every gradient."""
-    runs = {}
+    the aux loss and every gradient, and the router gradient the aux loss adds is the
+    reference's (tests/aux_gradient.py). Catches stale or partial counts (a difference), and
+    an aux gradient that never reaches the routers (scaled to 0: both runs would agree)."""
+    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.aux_gradient import reference as aux_reference
+
+    runs, loss_fn = {}, partial(ppo_loss, config=dapo_actor_config())
     for counts in ("counting_pass", "old_log_prob"):
-        engine, data = make_engine(aux_loss={**GLOBAL_BATCH, "global_counts": counts}), make_batch()
+        engine = make_engine(aux_loss=aux_settings("global_batch", global_counts=counts))
+        data = make_batch()
         _on_policy(engine, data)
         hook = engine.routing.hook
         old = hook.step_counts
-        out, grads = _engine_grads(engine, data, partial(ppo_loss, config=dapo_actor_config()))
+        out, grads = _engine_grads(engine, data, loss_fn)
         runs[counts] = (old, (hook._count_LE, hook._count_tokens_L), out["metrics"], grads)
     (no_old, counted, metrics, grads), (old, used, olp_metrics, olp_grads) = runs.values()
     assert no_old is None
@@ -281,6 +298,9 @@ def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(make_e
     assert olp_metrics[key] == metrics[key] and metrics[key][0] > 0
     assert olp_grads.keys() == grads.keys()
     assert all(torch.equal(olp_grads[n], grads[n]) for n in grads)
+    off = reduced_router_grads(make_engine(), data, loss_fn)  # the old-log-prob counts kept
+    on = reduced_router_grads(engine, data, loss_fn)
+    assert_aux_gradient(on, off, aux_reference(world1, tiny_hf_dir, "global_batch", data))
 
 
 def test_old_log_prob_counts_serve_one_trainer_step(make_engine):

@@ -13,22 +13,26 @@ import torch
 
 
 class AttachAuxGrad(torch.autograd.Function):
-    """Identity on `activation`; its backward also sends d(total)/d(aux) = `scale` to `aux`.
+    """Identity on `activation`; its backward also sends d(total)/d(aux) = `scale` to `aux`,
+    and adds `scale` to `carried` (a float64 scalar) when given: what the backward passes
+    actually carried, as the hook reports it.
 
     megatron-core's MoEAuxLossAutoScaler does the same with a process-global scale that its
     pipeline schedule resets every micro-batch; this one takes the scale explicitly.
     """
 
     @staticmethod
-    def forward(ctx, activation: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, activation, aux, scale: float, carried=None) -> torch.Tensor:
         ctx.save_for_backward(aux)
-        ctx.scale = scale
+        ctx.scale, ctx.carried = scale, carried
         return activation
 
     @staticmethod
     def backward(ctx, grad_activation: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        return grad_activation, torch.full_like(aux, ctx.scale), None
+        if ctx.carried is not None:
+            ctx.carried += ctx.scale
+        return grad_activation, torch.full_like(aux, ctx.scale), None, None
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,10 @@ class RouterSite:
     output_index: int
 
 
-def with_aux_grad(output: tuple, index: int, aux: torch.Tensor, scale: float) -> tuple:
+def with_aux_grad(output: tuple, index: int, aux: torch.Tensor, scale: float, carried=None):
     """`output` with element `index` replaced by its aux-gradient-carrying identity."""
-    carried = AttachAuxGrad.apply(output[index], aux, scale)
-    return (*output[:index], carried, *output[index + 1 :])
+    identity = AttachAuxGrad.apply(output[index], aux, scale, carried)
+    return (*output[:index], identity, *output[index + 1 :])
 
 
 def mcore_sites(model: torch.nn.Module) -> list[RouterSite]:

@@ -185,10 +185,11 @@ class AuxLossHook:
                 f"aux loss of layers {sorted(self._pending)} was computed but never attached"
             )
         stats = (self._tokens_L, self._share_L, self._z_L, self._routed_LE, self._psum_LE)
-        for stat in stats:
+        for stat in (*stats, self._carried):
             self._all_reduce(stat, "world")
         self._check_tokens()
-        return metric_dict(self.config, self._balance_L(), self._z_L)
+        carried, calls = self._carried.tolist()
+        return metric_dict(self.config, self._balance_L(), self._z_L, carried / max(calls, 1))
 
     def remove(self) -> None:
         self.tap.remove_listener(self._on_call)
@@ -235,6 +236,7 @@ class AuxLossHook:
         if log:
             self._z_L[layer] += z.detach()
             self._tokens_L[layer] += call.valid_T.sum()
+            self._carried[1] += 1  # a router call whose aux gradient backward must carry
         return term
 
     def _balance_share(self, call: RouterCall, log: bool) -> torch.Tensor:
@@ -273,7 +275,8 @@ class AuxLossHook:
             term = self._pending.pop(site.layer, None)
             if term is None:
                 return None
-            return with_aux_grad(output, site.output_index, term, self.grad_scale)
+            carried = self._carried[0]  # the backward adds the scale it sends
+            return with_aux_grad(output, site.output_index, term, self.grad_scale, carried)
 
         return hook
 
@@ -288,6 +291,8 @@ class AuxLossHook:
         self._psum_LE = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._count_LE = torch.zeros(L, E, dtype=torch.int64, device=device)
         self._count_tokens_L = torch.zeros(L, dtype=torch.int64, device=device)
+        # [scale the backward passes carried to the aux terms, router calls that owe one]
+        self._carried = torch.zeros(2, dtype=torch.float64, device=device)
         self._have_counts = False
         self._pending.clear()
 

@@ -9,12 +9,16 @@ PREFIX = AUX_LOSS_PREFIX
 
 
 def metric_dict(
-    config: AuxLossConfig, balance_L: torch.Tensor, z_L: torch.Tensor
+    config: AuxLossConfig, balance_L: torch.Tensor, z_L: torch.Tensor, grad_scale: float = 0.0
 ) -> dict[str, float]:
     """Flat metrics: per-layer values, layer means, the weighted total and whether it was applied.
 
     load_balancing/*: L (1.0 = perfectly balanced); z_loss/*: Z; total: coeff * sum_l L_l +
     z_coeff * sum_l Z_l, the term added to the objective (with mode observe: that would be).
+    grad_scale (mode on): the gradient scale the step's backward passes carried to the aux
+    terms, per router call of the step: the hook's grad_scale (the DP size under
+    megatron-core's DDP) when every call's aux gradient reached backward, less when some
+    never did, 0 when none did.
     """
     width = len(str(len(z_L) - 1))
     out: dict[str, float] = {}
@@ -32,4 +36,6 @@ def metric_dict(
         total += config.coeff * float(balance_L.double().sum())
     out[f"{PREFIX}/total"] = total
     out[f"{PREFIX}/applied"] = 1.0 if config.adds_gradient else 0.0
+    if config.adds_gradient:
+        out[f"{PREFIX}/grad_scale"] = grad_scale
     return out

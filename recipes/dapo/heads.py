@@ -76,7 +76,14 @@ def full_head_outputs(
     model, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False, packed=None
 ) -> dict:
     """head_outputs from the full [B, S, V/tp] logits (about three fp32 copies of them)."""
-    logits_BSV = forward_logits(model, ids_BS, packed=packed)
+    return full_head_from_logits(forward_logits(model, ids_BS, packed=packed), ids_BS,
+                                 temperature, entropy)  # fmt: skip
+
+
+def full_head_from_logits(
+    logits_BSV: torch.Tensor, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False
+) -> dict:
+    """full_head_outputs on the model's logits [B, S, V/tp]."""
     scale = _temperature_B11(temperature, ids_BS.shape[0], ids_BS.device)
     if not (isinstance(scale, float) and scale == 1.0):
         logits_BSV = logits_BSV.float() / scale
