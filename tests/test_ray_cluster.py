@@ -26,7 +26,12 @@ import torch
 
 from recipes.dapo import cluster, launch, lost_node, ray_node
 from recipes.local.overrides import TOY
-from tests.test_verl_cpu_trainer import FP32_ROLLOUT, SYNC_TOLERANCE  # as the other launches
+from tests.test_verl_cpu_trainer import (  # as the other launches; the resume's readers
+    FP32_ROLLOUT,
+    SYNC_TOLERANCE,
+    sampler_state,
+    trained_rows,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
 REPO = Path(__file__).resolve().parents[1]
@@ -366,20 +371,6 @@ def tagged_data(data_dir: Path) -> int:
     ]
     train.to_parquet(train_file)
     return len(train)
-
-
-def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
-    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
-    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
-    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
-    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
-    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
-
-
-def trained_rows(dump: Path) -> set[int]:
-    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
-    lines = [json.loads(line) for line in dump.read_text().splitlines()]
-    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
 
 
 def rank0_norm(tensors: dict[str, torch.Tensor]) -> float:

@@ -679,19 +679,6 @@ class McoreEpEngine(BaseEngine):
             "%.9e (rank 0's parameters)", root, meta.get("global_step"), update, norm,
         )  # fmt: skip
 
-    def _log_loaded(self, root: Path, meta: dict) -> None:
-        """One line on rank 0 of what the load left in the engine: the checkpoint's global step
-        (meta.json), the optimizer's update count and its weights' norm (rank 0's shards), so
-        a resumed run shows it starts from the checkpoint, not from the HF weights."""
-        if dist.get_rank() != 0:
-            return
-        norm = weights.weights_norm(self.module)
-        update = self.optim.updates if self.optim else None
-        logger.warning(
-            "mcore_ep: resumed from %s: global step %s, optimizer update %s, weights norm "
-            "%.9e (rank 0's parameters)", root, meta.get("global_step"), update, norm,
-        )  # fmt: skip
-
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         self.writer.finish()
         root = Path(local_path)
