@@ -130,15 +130,19 @@ def test_a_train_batch_seals_a_finished_save_and_the_next_save_waits_for_one(mak
 
 
 def test_the_runs_last_save_returns_sealed(make_engine, tmp_path):
+    """verl saves at its last step, and nothing polls the writer after it. The last step is
+    verl's total_training_steps in trainer steps: here step 2 of 2 after one update, as in a
+    resumed run whose step had no actor update (trainer.critic_warmup). Catches the update
+    count taken as the clock (1 < 2: the run's last save left unsealed, the tracker at 1)."""
     from verl.workers.config import FSDPOptimizerConfig
 
-    optim = FSDPOptimizerConfig(lr=1e-3, lr_warmup_steps=4, clip_grad=1.0, total_training_steps=1)
+    optim = FSDPOptimizerConfig(lr=1e-3, lr_warmup_steps=4, clip_grad=1.0, total_training_steps=2)
     engine = make_engine(checkpoint_config=_async(), optimizer_config=optim)
-    _train_step(engine, seed=0)  # the one scheduled update: this is the last step
-    root = tmp_path / "global_step_1" / "actor"
-    engine.save_checkpoint(str(root), global_step=1)
+    _train_step(engine, seed=0)  # step 1's update; step 2 updates nothing
+    root = tmp_path / "global_step_2" / "actor"
+    engine.save_checkpoint(str(root), global_step=2)
     assert engine.writer.pending is None and weights.is_complete(root)
-    assert (tmp_path / resume.TRACKER).read_text() == "1"
+    assert (tmp_path / resume.TRACKER).read_text() == "2"
 
 
 def test_a_run_stopped_while_saving_resumes_from_the_newest_complete_one(

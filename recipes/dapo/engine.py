@@ -622,7 +622,7 @@ class McoreEpEngine(BaseEngine):
         root, rank = Path(local_path), dist.get_rank()
         contents = set(self.checkpoint_config.get("save_contents", ["model", "optimizer", "extra"]))
         with_optim = self.optim is not None and "optimizer" in contents
-        in_background = self._async_save and not self._last_step
+        in_background = self._async_save and not self._last_step(global_step)
         weights.clear_for_save(root)
         self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
         model_dir = root / weights.MODEL_DIR
@@ -656,11 +656,12 @@ class McoreEpEngine(BaseEngine):
         """verl's `checkpoint.async_save`: its trainer then leaves the tracker to the engine."""
         return bool(self.checkpoint_config.get("async_save", False))
 
-    @property
-    def _last_step(self) -> bool:
-        """The run's last save (verl saves at its last step): every scheduled update is done."""
+    def _last_step(self, global_step: int) -> bool:
+        """The run's last save (verl saves at its last step; nothing polls the writer after
+        it): counted in trainer steps (verl's total_training_steps), not optimizer updates,
+        which a resumed run's steps without an update (trainer.critic_warmup) leave behind."""
         total = getattr(self.optimizer_config, "total_training_steps", None) or 0
-        return self.optim is None or (total > 0 and self.optim.updates >= total)
+        return self.optim is None or (total > 0 and int(global_step) >= total)
 
     def _sealed(self, root: Path, keep: int | None) -> None:
         self._saved.append(root)
