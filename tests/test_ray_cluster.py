@@ -1,7 +1,7 @@
 """The cluster path on one box: a real two-node Ray cluster from what scripts/ray_start_*.sh
 run (--device cpu: a head and a second raylet, each with its own port, temp dir and one
 declared "GPU"), the launcher's cluster mode on it (`--ray-address`, the tiny DAPO job at
-tp1/ep2, one rank per node), a node lost during an update step and the resume from the last
+tp1/ep2 with packed sequences, one rank per node), a node lost during an update step and the resume from the last
 checkpoint.
 
 Every process started here is stopped here by its pid: the nodes by their --stop and then by
@@ -26,12 +26,7 @@ import torch
 
 from recipes.dapo import cluster, launch, lost_node, ray_node
 from recipes.local.overrides import TOY
-from tests.test_verl_cpu_trainer import (  # as the other launches; the resume's readers
-    FP32_ROLLOUT,
-    SYNC_TOLERANCE,
-    sampler_state,
-    trained_rows,
-)
+from tests.test_verl_cpu_trainer import FP32_ROLLOUT, SYNC_TOLERANCE  # as the other launches
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +40,10 @@ BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
 # would reinstall it under them)
 NODE = [sys.executable, "-m", "recipes.dapo.ray_node"]
 PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
+# packed sequences (THD micro-batches) at two ranks in verl's own loop: the actor's old
+# log-probs equal the rollout's after every sync (the padded path: the world-1 trainer run)
 QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
-         FP32_ROLLOUT]  # fmt: skip
+         FP32_ROLLOUT, "actor_rollout_ref.actor.mcore_ep.packed=true"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -101,6 +98,7 @@ def box():
         head = cluster_box.printed["head"] = cluster_box.start("head", "--port", str(free_port()))
         cluster_box.address = re.search(r"Ray head up: cluster (\S+),", head)[1]
         cluster_box.printed["worker"] = cluster_box.start("worker")
+        ray_status_counts(cluster_box.address, GPU=2)
         yield cluster_box
     finally:
         for role in ("worker", "head"):
@@ -109,6 +107,21 @@ def box():
             if ray_node.ours(state) != "other":
                 ray_node.stop_session(state["pid"], signal.SIGKILL, grace_s=5)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_status_counts(address: str, timeout: float = 120.0, **devices: int) -> None:
+    """Until `ray status` (what check_ray reads) counts these devices: its totals follow a
+    node's registration by a few seconds, after Ray's node table already has it."""
+    env = {**os.environ, "RAY_AUTH_MODE": cluster.ray_auth_mode()}
+    cmd = [cluster.ray_executable(), "status", "--address", address]
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env).stdout
+        have = cluster.ray_devices(out)
+        if all(have[kind] == n for kind, n in devices.items()):
+            return
+        assert time.monotonic() < deadline, f"ray status: {have}, not {devices}: {out[-1500:]}"
+        time.sleep(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +303,7 @@ def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
     """A node restarted as an NPU node: check_ray names it in one line, nothing starts; its
     --stop ends its processes only (the head stays); then the right one."""
     box.start("worker", "--devices", "1", device="npu")
+    ray_status_counts(box.address, GPU=1, NPU=1)
     wrong = box.pid("worker")
     refused = subprocess.run(
         [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
@@ -304,10 +318,13 @@ def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
     assert ray_node.session_processes(wrong) == []
     assert ray_node.read_state(box.root / "head" / "mcore_ray_head.json")  # still up
     box.start("worker")
+    ray_status_counts(box.address, GPU=2)
 
 
 def _resume(box: Box, out: Path, train_rows: int) -> None:
-    """--resume on the restarted node, checked from inside the resumed run: the engine's load
+    """--resume on the restarted node, past a half-written step-2 save (the launcher's one line
+    names it and global_step_1, the newest complete one), checked from inside the resumed
+    run: the engine's load
     line names global_step_1's step and update and its weights' norm (rank 0's shards, read
     from the files by the converters); step 2 draws the dataloader's next prompts after the
     killed run's position and runs from exactly the loaded weights (no actor update in it:
@@ -317,6 +334,12 @@ def _resume(box: Box, out: Path, train_rows: int) -> None:
     from recipes.local.run import read_history
     from tests.test_verl_engine import loaded_line  # the engine's line on a checkpoint load
 
+    ckpt = out / "checkpoints"
+    half = ckpt / "global_step_2"  # as a kill while step 2's save was written in the background
+    shutil.copytree(ckpt / "global_step_1", half)
+    for d in half.glob("actor/*/dist_ckpt"):
+        for name in (".metadata", "metadata.json", "manifest.json"):
+            (d / name).unlink()
     dump = out / "rollouts"
     proc = start_launch(out, box, "resumed", "--resume", "--steps", "3",
                         overrides=("trainer.critic_warmup=3", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
@@ -327,7 +350,10 @@ def _resume(box: Box, out: Path, train_rows: int) -> None:
     log = (out / "logs" / "launch_001.log").read_text()  # the console's log of the relaunch
     assert proc.returncode == 0, log[-5000:]
     assert "Resuming from" in log
-    ckpt = out / "checkpoints"
+    assert (
+        f"resuming from {ckpt / 'global_step_1'}, the newest complete checkpoint: {half} was not "
+        "completely written" in logs(out, "resumed")[0].read_text()
+    )
     loaded, step2, step3 = (dist_tensors(ckpt / f"global_step_{n}/actor") for n in (1, 2, 3))
     step, update, norm = loaded_line(log, ckpt / "global_step_1/actor")
     schedule = json.loads((ckpt / "global_step_1/actor/optim/dist_ckpt/schedule.json").read_text())
@@ -371,6 +397,20 @@ def tagged_data(data_dir: Path) -> int:
     ]
     train.to_parquet(train_file)
     return len(train)
+
+
+def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
+    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
+    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
+    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
+    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
+    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
+
+
+def trained_rows(dump: Path) -> set[int]:
+    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
 
 
 def rank0_norm(tensors: dict[str, torch.Tensor]) -> float:

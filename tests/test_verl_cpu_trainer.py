@@ -5,9 +5,9 @@ an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic
 our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
 build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
 verl's weight sync, the dapo reward manager, checkpoints in verl's layout. A few steps each;
-the learning curve itself is measured by the main command (README). resume_mode=auto
-past a half-written background save runs here; the resume after a lost node on a two-node Ray
-cluster (tests/test_ray_cluster.py).
+the learning curve itself is measured by the main command (README). The resume
+(resume_mode=auto) after a lost node and past a half-written background save runs on a
+two-node Ray cluster (tests/test_ray_cluster.py).
 """
 
 import json
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
 REPO = Path(__file__).resolve().parents[1]
 SYNC_TOLERANCE = 1e-4  # rollout (vLLM) vs actor (megatron-core) log-probs, fp32
 FP32_ROLLOUT = "actor_rollout_ref.rollout.dtype=float32"
@@ -134,135 +134,6 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     assert "export reloads in transformers" in proc.stdout
 
 
-# The resume checks, as helpers another launch can call: tag the training prompts before the
-# killed run, read its dataloader position from a save, then check the resumed run's load line
-# and the prompts of its first step.
-
-
-def tag_train_rows(data: Path) -> int:
-    """Rewrite data/train.parquet with each prompt prefixed by its row ("17*3+3="), so that the
-    rows a run trains on can be read from its rollout dump; same rows, order and lengths of
-    the dataloader's epoch. Returns the row count."""
-    import pandas as pd
-
-    train = pd.read_parquet(data / "train.parquet")
-    train["prompt"] = [
-        [{**turn, "content": f"{row}*{turn['content']}"} for turn in prompt]
-        for row, prompt in enumerate(train["prompt"])
-    ]
-    train.to_parquet(data / "train.parquet")
-    return len(train)
-
-
-def sampler_state(data_pt: Path, rows: int) -> tuple[int, list[int]]:
-    """(prompts drawn so far, the epoch's order of rows) of verl's dataloader state
-    (torchdata's StatefulDataLoader, RandomSampler: randperm from the saved generator)."""
-    import torch
-
-    state = torch.load(data_pt, weights_only=True)["_sampler_iter_state"]
-    generator = torch.Generator().set_state(state["sampler_iter_state"]["generator"])
-    return state["samples_yielded"], torch.randperm(rows, generator=generator).tolist()
-
-
-def trained_rows(dump: Path) -> set[int]:
-    """Row indices of the prompts in verl's rollout dump of a step (trainer.rollout_data_dir)."""
-    lines = [json.loads(line) for line in dump.read_text().splitlines()]
-    return {int(re.search(r"(\d+)\*\d\+\d=", row["input"])[1]) for row in lines}
-
-
-def checkpoint_norm(actor: Path, template: Path, tmp: Path) -> float:
-    """The checkpoint's weights' L2 norm, read by the converters (not megatron-core)."""
-    from converters.cli import main as converters_main
-    from converters.hf_io import read_state_dict
-    from tests.test_verl_engine import weights_norm_of
-
-    argv = ["mcore-to-hf", str(actor), str(tmp), "--template", str(template), "--no-progress"]
-    assert converters_main(argv) == 0
-    return weights_norm_of(read_state_dict(tmp).values())
-
-
-def check_resumed_weights(log: str, saved: Path, step: int, template: Path, tmp: Path) -> None:
-    """The engine's load line in `log` names `saved` (a global_step_N folder): its global
-    step, the optimizer update its schedule recorded, and the norm of its weights as the
-    converters read them (a no-op load: update 0 and the HF weights' norm)."""
-    from tests.test_verl_engine import loaded_line
-
-    loaded_step, update, norm = loaded_line(log, saved / "actor")
-    schedule = json.loads((saved / "actor/optim/dist_ckpt/schedule.json").read_text())
-    assert (loaded_step, update) == (step, schedule["updates"]) and update > 0
-    assert norm == pytest.approx(checkpoint_norm(saved / "actor", template, tmp), rel=1e-9)
-
-
-def check_resumed_prompts(
-    killed: tuple[int, list[int]], resumed: Path, dump: Path, rows: int, batch: int = 8
-) -> None:
-    """The first resumed step trained (rollout dump `dump`) the `batch` prompts after the
-    killed run's position (`killed`: its save's sampler_state) and before the resumed save's
-    (`resumed`: a global_step_N folder): the dataloader state was restored (without data.pt
-    the epoch starts again: the first prompts)."""
-    drawn, order = killed
-    drawn_after, _ = sampler_state(resumed / "data.pt", rows)
-    positions = sorted(order.index(row) for row in trained_rows(dump))
-    assert len(positions) == batch and drawn <= positions[0] and positions[-1] < drawn_after, (
-        f"the resumed step trained the prompts at positions {positions}; the killed run had "
-        f"drawn {drawn}, the resumed one {drawn_after}"
-    )
-
-
-@pytest.mark.trainer_flow
-def test_resume_after_a_kill_continues_from_the_last_save(run3, tmp_path):
-    """A run killed while writing its step-3 save in the background: its step-2 save is the
-    newest complete one; resume_mode=auto loads it (one line says why) and trains step 3,
-    whose save replaces the half-written one. Checked from inside the resumed run: the
-    engine's load line names the checkpoint's step and update and its weights' norm (read
-    from the files by the converters), and the prompts of step 3 are the dataloader's next
-    ones after the killed run's position (data.pt). Catches a no-op load
-    (recipes/dapo/engine.py's load_checkpoint reading neither model nor optimizer state:
-    update 0, the HF weights' norm) and a dataloader not restored (the save's data.pt
-    missing: step 3 draws the epoch's first prompts again).
-
-    On the 0.16.1 set only (trainer_flow): what differs by release is the engine's checkpoint
-    load, tested on both (tests/test_verl_engine.py, tests/test_pipeline_engine.py)."""
-    src, _ = run3
-    out = resumable_copy(src, tmp_path / "resumed")
-    train_rows = tag_train_rows(out / "data")
-    saved = out / "checkpoints" / "global_step_2"
-    killed = sampler_state(saved / "data.pt", train_rows)  # where the killed run was
-    half = out / "checkpoints" / "global_step_3"
-    shutil.copytree(src / "checkpoints" / "global_step_3", half)
-    for d in half.glob("actor/*/dist_ckpt"):  # as a kill before the writes were finalized
-        for name in (".metadata", "metadata.json", "manifest.json"):
-            (d / name).unlink()
-    rows = (src / "metrics" / "launch_000.jsonl").read_text().splitlines()
-    # the killed run logged steps 1-2 and half a line of step 3
-    (out / "metrics").mkdir()
-    (out / "metrics" / "launch_000.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
-    dump = out / "rollouts"
-    proc = launch(out, "--resume", "--steps", "3",
-                  overrides=("trainer.save_freq=2", f"trainer.rollout_data_dir={dump}"))  # fmt: skip
-    assert proc.returncode == 0
-    assert "Resuming from" in (out / "logs" / "launch_001.log").read_text()
-    assert (
-        f"resuming from {out / 'checkpoints/global_step_2'}, the newest complete checkpoint: "
-        f"{half} was not completely written" in proc.stdout
-    )
-    log = (out / "logs" / "launch_001.log").read_text()  # the console shows less
-    check_resumed_weights(log, saved, 2, src / "tiny_hf", tmp_path / "hf")
-    check_resumed_prompts(killed, out / "checkpoints/global_step_3", dump / "3.jsonl", train_rows)
-    resumed = history(out)
-    assert sorted(resumed) == [1, 2, 3]
-    # the rollout got the loaded weights through the sync: its log-probs are the actor's
-    assert resumed[3]["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
-    assert resumed[3]["training/global_step"] == 3
-    assert (
-        json.loads((out / "checkpoints/global_step_3/actor/meta.json").read_text())["global_step"]
-        == 3
-    )
-    from recipes.dapo.weights import is_complete
-
-    assert is_complete(half / "actor")  # written again by the resumed run, and sealed
-
-
 def resumable_copy(src: Path, out: Path) -> Path:
     """A run directory holding run3's model, data and its step-2 save as the latest."""
     shutil.copytree(src / "tiny_hf", out / "tiny_hf")
@@ -272,7 +143,6 @@ def resumable_copy(src: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.trainer_flow
 def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_path):
     """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
     the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
@@ -297,23 +167,3 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     logged = log.read_text()
     assert "RayTaskError(CheckpointError)" in logged
     assert "Traceback (most recent call last)" in logged
-
-
-@pytest.mark.trainer_flow
-def test_tp2_ep2_on_two_ranks_with_packed_sequences(tmp_path):
-    """Two ranks (tp2/ep2) with mcore_ep.packed=true (THD micro-batches) in verl's own DAPO
-    loop: the actor's old log-probs still equal the rollout's after every sync (the padded
-    path runs in the world-1 run above; one launch covers both the plan and the packing).
-    On the 0.16.1 set only (trainer_flow): packed tp2/ep2 engine parity runs on both releases
-    (tests/test_packed.py, tests/test_verl_engine_multiproc.py)."""
-    proc = launch(tmp_path, "--tp", "2", "--ep", "2", "--steps", "2",
-                  overrides=("trainer.save_freq=2",
-                             "actor_rollout_ref.actor.mcore_ep.packed=true"))  # fmt: skip
-    assert proc.returncode == 0
-    rows = history(tmp_path)
-    assert sorted(rows) == [1, 2]
-    for row in rows.values():
-        assert row["training/rollout_probs_diff_max"] < SYNC_TOLERANCE
-    meta = json.loads((tmp_path / "checkpoints/global_step_2/actor/meta.json").read_text())
-    assert meta["plan"]["tp"] == 2 and meta["plan"]["ep"] == 2
-    assert json.loads((tmp_path / "summary.json").read_text())["export_max_logits_diff"] < 1e-4
