@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny random Qwen3-MoE checkpoint and a world-size-1 megatron setup."""
+"""Shared fixtures: a tiny random Qwen3-MoE checkpoint and a world-size-1 megatron setup; the
+no_mcore mark's order and check."""
+
+import sys
 
 import pytest
 import torch
@@ -38,7 +41,45 @@ def tiny_config_factory():
 
 
 def pytest_report_header(config):
-    import megatron.core
-    import transformers
+    """Versions read without importing megatron-core (the no_mcore check below needs that)."""
+    from importlib import metadata, util
 
-    return f"megatron-core {megatron.core.__version__} ({megatron.core.__file__}), transformers {transformers.__version__}"
+    where = util.find_spec("megatron.core").origin
+    return (
+        f"megatron-core {metadata.version('megatron-core')} ({where}), "
+        f"transformers {metadata.version('transformers')}"
+    )
+
+
+MCORE = "megatron.core"
+_mcore_before = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(config, items):
+    """no_mcore tests first (stable: modules stay whole): until one of them imports
+    megatron-core, none has, so the check below sees every one that does."""
+    if MCORE in sys.modules:
+        raise pytest.UsageError(
+            "collecting the tests imported megatron-core, so the no_mcore check cannot see a "
+            "test that imports it: import it inside the tests (the release without importing "
+            "it: tests/mcore_release.py)"
+        )
+    items.sort(key=lambda item: item.get_closest_marker("no_mcore") is None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_mcore_before] = MCORE in sys.modules
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    loaded = not item.stash.get(_mcore_before, True) and MCORE in sys.modules
+    if loaded and item.get_closest_marker("no_mcore"):
+        pytest.fail(
+            f"{item.nodeid} is marked no_mcore but imported megatron-core: remove the mark "
+            "(scripts/test.sh then runs it on both releases)",
+            pytrace=False,
+        )
+    return result

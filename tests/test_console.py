@@ -22,6 +22,8 @@ from recipes.dapo import cluster
 from recipes.dapo.console import Console, clean, open_console, parse_step, step_line, warning_text
 from recipes.local.overrides import TOY_ALARMS
 
+pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
+
 STREAM = Path(__file__).parent / "data" / "dapo_cpu_metrics.jsonl"
 RAY = "\x1b[36m(TaskRunnerV1 pid=6295)\x1b[0m "
 TQ = ("(SimpleStorageUnit pid=6652) 2026-12-01 17:36:27,063 - WARNING - transfer_queue.utils"

@@ -6,10 +6,13 @@ import sys
 import zipfile
 
 import numpy as np
+import pytest
 import torch
 
 from converters import dist_read
 from converters.dist_read import _Slice, native_byte_order, read_slice
+
+pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
 
 def _saved(t: torch.Tensor) -> bytes:

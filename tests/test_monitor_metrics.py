@@ -8,6 +8,8 @@ import torch
 from backend.monitor import metrics as m
 from backend.monitor.compare import jensen_shannon_L
 
+pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
+
 # layer 0: 4 experts, loads 4 2 0 2 (N=8, mean 2); layer 1: perfectly balanced
 COUNTS_LE = torch.tensor([[4, 2, 0, 2], [1, 1, 1, 1]])
 

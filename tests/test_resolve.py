@@ -8,6 +8,8 @@ import pytest
 
 from tests.bad_inputs import NO_INDEX, resolve_script
 
+pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
+
 CONFLICT = (
     "ERROR: Cannot install torch==2.7.1 because these package versions have conflicting "
     "dependencies.\nERROR: ResolutionImpossible: for help visit https://pip.pypa.io/\n"

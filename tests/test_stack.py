@@ -234,3 +234,12 @@ def test_job_env_appends_to_pythonpath_and_imports_no_engine(monkeypatch):
     assert "VERL_USE_EXTERNAL_MODULES" not in env
     monkeypatch.delenv("PYTHONPATH")
     assert cluster.job_env("cuda", None)["PYTHONPATH"] == str(REPO_ROOT)
+
+
+def test_the_release_the_tests_read_is_the_one_imported():
+    """tests.mcore_release reads the package metadata (no import at collection): it must name
+    the megatron-core that imports, overlay included (scripts/test.sh's 0.12.1 run)."""
+    from backend.compat import mcore_version
+    from tests.mcore_release import MCORE_RELEASE
+
+    assert MCORE_RELEASE == mcore_version()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from backend.compat import mcore_version
+from tests.mcore_release import MCORE_RELEASE
 from tests.multiproc import run_plans, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ REPLICA_LENGTHS = [
     [(7, 9), (3, 3), (6, 12), (4, 2), (2, 5)],
 ]
 # (tp, ep); megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1 (the engine's etp)
-PLANS = [(2, 1), (1, 2), (1, 1)] if mcore_version() >= Version("0.13") else [(1, 2), (1, 1)]
+PLANS = [(2, 1), (1, 2), (1, 1)] if MCORE_RELEASE >= Version("0.13") else [(1, 2), (1, 1)]
 # Adam's first update is about lr * g / (|g| + eps): where |g| is near eps, rounding that differs
 # by plan moves a few elements by a few percent of lr (8e-6 of 2.5e-4 in one q_proj element
 # at tp2), so the updates are compared as tensors, not element by element
