@@ -11,7 +11,7 @@ log line says which. How the optimizer reduces gradients over DP is declared dat
 (`dp_reduction`, e.g. backend.optim.DP_REDUCTION), from which aux_grad_scale derives the aux
 loss's gradient scale.
 
-Routing replay (mcore_ep.router_replay, see recipes/README.md): the same tap forces the
+Routing replay (mcore_ep.router_replay, see docs/routing_replay.md): the same tap forces the
 experts (backend.router_replay) where `set_routes` gives some; the monitor counts the
 experts actually used, the aux loss reads the router's own choice and probabilities. Two
 more listeners: RouteRecorder (R2: the old-log-prob pass's own routes) and two

@@ -61,7 +61,7 @@ COMM_SECTIONS = ("moe_dispatch", "moe_combine", "grad_reduce", "weight_sync")
 MAX_WINDOWS = 1024  # between-step windows kept unresolved (device events) before a wait
 COMM_SHARE_WARN = 0.30  # above it, communication is the first thing to fix
 # On by default only where its cost is within 1% of a step, measured on the tiny model on CPU
-# (scripts/bench/timing_overhead.py; figures in the README): StepTimer's sections are, the
+# (scripts/bench/timing_overhead.py; figures in docs/timing.md): StepTimer's sections are, the
 # per-layer dispatch/combine instrument is not, so the engine attaches it on request.
 TIMING_DEFAULT = True
 DISPATCH_TIMING_DEFAULT = False

@@ -1,5 +1,5 @@
 """The checkpoint-save benchmarks end to end at small settings (their figures at the shipped
-size: recipes/README.md, "At Qwen3-30B-A3B size")."""
+size: docs/checkpoints.md, "At Qwen3-30B-A3B size")."""
 
 import importlib.util
 import json

@@ -263,14 +263,14 @@ def test_verl_composes_and_validates_the_overrides(device, files):
 
 
 def test_the_guards_pass_through_as_the_readme_writes_them(files):
-    """README, "Run health": one pass-through override turns the entropy floor on."""
+    """docs/run_health.md, "Guards": one pass-through override turns the entropy floor on."""
     from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
 
     from backend.guards import GuardSettings
 
     guard = "+actor_rollout_ref.actor.mcore_ep.guards={entropy_floor:{enable:true,floor:0.3}}"
-    assert guard in (REPO / "README.md").read_text()
+    assert guard in (REPO / "docs" / "run_health.md").read_text()
     cli = launch.overrides.to_cli(resolved("cuda", files, guard).groups)
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=cli)

@@ -5,7 +5,7 @@ an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic
 our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
 build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
 verl's weight sync, the dapo reward manager, checkpoints in verl's layout. A few steps each;
-the learning curve itself is measured by the main command (README). The resume
+the learning curve itself is measured by the main command (docs/cpu_run.md). The resume
 (resume_mode=auto) after a lost node and past a half-written background save runs on a
 two-node Ray cluster (tests/test_ray_cluster.py).
 """

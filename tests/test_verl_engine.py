@@ -327,7 +327,7 @@ def test_aux_loss_settings_are_the_ones_the_readme_states():
     from backend.aux_loss import AuxLossConfig
     from recipes.dapo.config import McoreEpEngineConfig
 
-    readme = " ".join((Path(__file__).parents[1] / "recipes" / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[1] / "docs" / "aux_loss.md").read_text().split())
     default = AuxLossConfig(**McoreEpEngineConfig().aux_loss).describe()
     cluster = AuxLossConfig(**AUX_LOSS).describe()
     assert f"engine default `{default}`" in readme

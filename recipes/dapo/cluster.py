@@ -29,7 +29,7 @@ _DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
 RAY_KIND = {"cuda": "GPU", "npu": "NPU", "cpu": "GPU"}
 # how soon Ray's GCS calls a node dead (its raylet misses health checks): Ray's defaults, pinned
 # on every node by ray_node.py. A node whose processes died misses them at once: dead after
-# ~5 x 3 s; a host that vanished times each check out: under a minute (recipes/README.md,
+# ~5 x 3 s; a host that vanished times each check out: under a minute (docs/cluster.md,
 # "A lost node")
 RAY_HEALTH = {
     "RAY_health_check_initial_delay_ms": "5000",

@@ -32,14 +32,14 @@ class McoreEpEngineConfig(EngineConfig):
     the bools of older configs mean full (True) and none (False). experts / attention: backend.model.BuildOptions' choices ("auto": our
     grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
     z_coeff, scope, global_counts); off by default, as verl's engines for Qwen3-MoE RL (the
-    cluster recipe turns it on: recipes/README.md, "Router aux loss"). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
+    cluster recipe turns it on: docs/aux_loss.md). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
     timing: per-step `timing/*` metrics and the communication-share warning (backend.timing;
     on by default: its sections cost under 1% of a step). timing_dispatch: also time every MoE
-    layer's token dispatch / combine (off by default: it costs more than that 1%; figures in the
-    README, "Routing skew and where a step's time goes").
+    layer's token dispatch / combine (off by default: it costs more than that 1%; figures in
+    docs/timing.md, "Overhead").
     router_replay: "disabled" | "R2" (the update reuses the old-log-prob pass's experts) |
     "R3" (old-log-prob pass and update use the rollout's `routed_experts`; needs the
-    rollout's enable_rollout_routing_replay=True). See recipes/README.md, "Routing replay".
+    rollout's enable_rollout_routing_replay=True). See docs/routing_replay.md.
     packed: micro-batches as packed sequences (one [1, T] row, megatron-core THD
     PackedSeqParams; planned on real tokens) instead of right-padded [B, S]; needs our SDPA
     attention ("auto" then picks it on every device).

@@ -210,7 +210,7 @@ def replay_lines(groups: dict[str, dict], device: str) -> list[str]:
     )
     if mode == "disabled":
         return []
-    lines = [f'routing replay: {mode} (recipes/README.md, "Routing replay")']
+    lines = [f"routing replay: {mode} (docs/routing_replay.md)"]
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
     on = str(overrides.value_of(groups, key)).lower() == "true"
     if mode == "R3":

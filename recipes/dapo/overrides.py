@@ -45,7 +45,7 @@ LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
 # Qwen3's own balancing (global batch), applied with an explicit coefficient, never inherited
 # from the HF config; f counted in the old-log-prob pass that runs anyway (exact with one
 # update per step, see below), not in an extra forward (a whole no-grad forward per update;
-# figures in recipes/README.md, "Router aux loss"). "observe" logs it without a gradient
+# figures in docs/aux_loss.md). "observe" logs it without a gradient
 AUX_LOSS = {"mode": "on", "type": "global_batch", "coeff": 0.001, "global_counts": "old_log_prob"}
 ENGINE_MODULE = "recipes.dapo.engine"
 ACTOR = "actor_rollout_ref.actor"
@@ -135,8 +135,8 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.aux_loss": _hydra_dict(AUX_LOSS),
         f"{ENGINE}.monitor.enable": True,
         f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
-        f"{ENGINE}.router_replay": "disabled",  # R2 | R3: recipes/README.md, "Routing replay"
-        f"{ENGINE}.packed": False,  # THD micro-batches: recipes/README.md, "Packed sequences"
+        f"{ENGINE}.router_replay": "disabled",  # R2 | R3: docs/routing_replay.md
+        f"{ENGINE}.packed": False,  # THD micro-batches: docs/packed_sequences.md
     }
 
 

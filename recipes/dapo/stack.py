@@ -40,8 +40,7 @@ IMAGES = {
         "3.2.0.dev20260322 (CANN 8.5.1: vllm-ascend's v0.18.0 image)"
     ),
 }
-# Whether the set's rollout returns routed_experts to verl 0.9.1 (recipes/README.md, "Routing
-# replay"). verl 0.9.1 asks vLLM for them only from 0.22.0 on: below it, vLLMHttpServer refuses
+# Whether the set's rollout returns routed_experts to verl 0.9.1 (docs/routing_replay.md). verl 0.9.1 asks vLLM for them only from 0.22.0 on: below it, vLLMHttpServer refuses
 # rollout.enable_rollout_routing_replay=True (verl/workers/rollout/vllm_rollout/
 # vllm_async_server.py:445), whatever the platform plugin can capture.
 R3 = {

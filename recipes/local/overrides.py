@@ -7,7 +7,7 @@ resume) is the cluster's.
 """
 
 PLATFORM_MODULES = "recipes.local.platform"
-# vLLM's CPU backend: what it cannot do that the cluster's vLLM does (recipes/README.md)
+# vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
 ROLLOUT_TP = 1
 # the CPU platform's part of the job environment (recipes.dapo.cluster.job_env): the driver's
@@ -23,7 +23,7 @@ CPU_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
-# per-sample rollout path (timings: recipes/README.md, "The toy task")
+# per-sample rollout path (timings: docs/cpu_run.md, "The toy task")
 TOY = dict(
     max_prompt_length=32,
     max_response_length=3,  # an answer digit and <|im_end|> fit in 2: one token of slack

@@ -58,7 +58,7 @@ class Problem:
 def make_problems(max_operand: int = 3) -> list[Problem]:
     """The doubles a+a for a in 0..max_operand: every answer distinct, both digits carry it.
 
-    Why this set (measured, recipes/README.md "The toy task"): the random tiny model tells
+    Why this set (measured, docs/cpu_run.md, "The toy task"): the random tiny model tells
     prompts apart by a token or two, and a prompt whose right answer loses that race early is
     answered wrong with certainty; its groups are then all wrong, DAPO's filter evicts them and
     it never gets a gradient again. With every a+b over 0..2 the run stopped at 6 of 9 prompts;
