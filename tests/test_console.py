@@ -211,7 +211,7 @@ def test_the_childs_own_traceback_is_held_then_shown_in_full(tmp_path, monkeypat
     monkeypatch.setattr(tracebacks, "HOLD_S", 0.0)
     con.tick()
     shown = out.getvalue().splitlines()
-    assert shown[1:4] == own and shown[4].startswith("[#...................]  1/35 | reward")
+    assert shown[1:4] == own and shown[4].startswith("[....................]  1/35 | reward")
     assert "target_num_threads 8" in shown[5] and len(shown) == 6
     con.child_done(0)
     assert "Traceback" not in "".join(out.getvalue().splitlines()[6:])
@@ -232,5 +232,5 @@ def test_a_terminal_gets_a_status_line_that_the_next_line_clears(tmp_path):
     )
     con.feed(verl_step_lines()[1] + "\n")
     after = con.out.getvalue()[len(status) :]
-    assert after.startswith("\r\x1b[K[#...................]  1/35 | ")  # cleared, then the step
+    assert after.startswith("\r\x1b[K[....................]  1/35 | ")  # cleared, then the step
     assert "\r" not in con.log_path.read_text()

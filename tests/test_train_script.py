@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch, lost_node, overrides, stack
+from recipes.dapo import cluster, launch, lost_node, overrides, resolution, stack
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -203,14 +203,14 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
 
 
 def resolved(device, files, *extra):
-    args = launch.build_parser().parse_args(
+    args = resolution.build_parser().parse_args(
         argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0", "--dry-run")
     )
-    return launch.resolve(args, device, list(extra))
+    return resolution.resolve(args, device, list(extra))
 
 
 def flat(groups: dict) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in launch.overrides.to_cli(groups))
+    return dict(item.split("=", 1) for item in overrides.to_cli(groups))
 
 
 @pytest.mark.parametrize("device", ["npu", "cuda"])
@@ -241,7 +241,7 @@ def test_verl_composes_and_validates_the_overrides(device, files):
     from recipes.dapo.config import McoreEpActorConfig, McoreEpEngineConfig
 
     run = resolved(device, files)
-    cli = launch.overrides.to_cli(run.groups)
+    cli = overrides.to_cli(run.groups)
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=cli)
     validate_config(cfg, use_reference_policy=False, use_critic=False)
@@ -271,7 +271,7 @@ def test_the_guards_pass_through_as_the_readme_writes_them(files):
 
     guard = "+actor_rollout_ref.actor.mcore_ep.guards={entropy_floor:{enable:true,floor:0.3}}"
     assert guard in (REPO / "docs" / "run_health.md").read_text()
-    cli = launch.overrides.to_cli(resolved("cuda", files, guard).groups)
+    cli = overrides.to_cli(resolved("cuda", files, guard).groups)
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=cli)
     engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine
@@ -390,8 +390,8 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert ray_call[:2] == ["ray", ["status"]]
     exe, args, cwd, env = verl_call
     assert exe == "python" and args[:2] == ["-m", "verl.trainer.main_ppo"] and cwd == str(REPO)
-    expected = launch.resolve(
-        launch.build_parser().parse_args(argv(files, "--device", "cuda")),
+    expected = resolution.resolve(
+        resolution.build_parser().parse_args(argv(files, "--device", "cuda")),
         "cuda",
         ["trainer.total_epochs=1"],
     )
@@ -441,11 +441,11 @@ def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, 
     embedded run's own Ray, never a running cluster (address=local)."""
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     base = ["--ep", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
-    on = launch.build_parser().parse_args(
+    on = resolution.build_parser().parse_args(
         ["--ray-address", "10.0.0.1:6380", "--nodes", "2", "--devices-per-node", "1", *base]
     )
-    cluster_run, _, _ = launch.resolve_local(on, [])
-    embedded, _, _ = launch.resolve_local(launch.build_parser().parse_args(base), [])
+    cluster_run, _, _ = resolution.resolve_local(on, [])
+    embedded, _, _ = resolution.resolve_local(resolution.build_parser().parse_args(base), [])
     plans = [(r.run.plan.nodes, r.run.plan.devices_per_node) for r in (cluster_run, embedded)]
     assert plans == [(2, 1), (1, 2)]
     init = "ray_kwargs.ray_init."
@@ -505,10 +505,10 @@ def test_the_cpu_head_sizes_are_vllms():
 def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):
     """--pp: the engine's pipeline size, the plan's pp groups, the memory model's stages; the
     local run folds pp into its world and refuses a pp its tiny model cannot take."""
-    args = launch.build_parser().parse_args(
+    args = resolution.build_parser().parse_args(
         argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
     )
-    run = launch.resolve(args, "cuda", [])
+    run = resolution.resolve(args, "cuda", [])
     engine = "+actor_rollout_ref.actor.mcore_ep"
     assert flat(run.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     assert (run.run.plan.pp, run.run.plan.dp) == (2, 4)
@@ -520,10 +520,10 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
         peaks[pp] = float(re.search(r"actor update peak ([\d.]+) GiB", out)[1])
     assert peaks["2"] < peaks["1"]
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
-    local = launch.build_parser().parse_args(
+    local = resolution.build_parser().parse_args(
         ["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
     )
-    resolved_local, _, _ = launch.resolve_local(local, [])
+    resolved_local, _, _ = resolution.resolve_local(local, [])
     assert (resolved_local.run.plan.pp, resolved_local.run.plan.world) == (2, 2)
     assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     capsys.readouterr()

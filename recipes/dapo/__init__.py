@@ -6,8 +6,9 @@
 - config.py: the verl config dataclasses of that engine (`_target_` of the actor section).
 - overrides.py + fit.py: the verl overrides for Qwen3-30B-A3B on 4x8 Ascend A2 and 4x8 H100,
   grouped by concern, offload decided by the memory model of `parallel/`.
-- launch.py: `python -m recipes.dapo` / scripts/train_mcore.sh: plan check, environment,
-  resolved config, launch on the running Ray cluster (or the local CPU run).
+- launch.py: `python -m recipes.dapo` / scripts/train_mcore.sh: runs the resolved job on the
+  running Ray cluster (or the local CPU run); resolution.py: arguments, plan check, environment,
+  the resolved config; dry_run.py: what the dry run prints.
 See recipes/README.md.
 """
 

@@ -11,8 +11,8 @@ and shows on the console only:
 - each distinct warning or error line once (numbers masked to tell them apart), and after
   the child ended the counts of the most repeated ones (all of them at the end of the log);
 - the run-health alarms (backend.monitor.alarms) that the step metrics raise, also appended
-  to `<run>/alarms.jsonl` and written to tensorboard (`alarms/<kind>`), whence the routing
-  report takes them (recipes.dapo.health);
+  to `<run>/alarms.jsonl` and written to tensorboard (recipes.dapo.alarm_log), whence the
+  routing report takes them (recipes.dapo.health);
 - a traceback of the child's own in full, once it is known not to be a checkpoint refusal
   (recipes.dapo.tracebacks holds it until the child ended or outlived it); a refusal is left
   in the log, its message in `refusal` for the launcher's one line (`debug=True`: its
@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from backend.monitor.alarms import AlarmRules, HealthAlarms, lookup, val_reward
-from recipes.dapo.tracebacks import Tracebacks
+from tqdm import tqdm
 
-ALARMS = "alarms.jsonl"  # in the run directory, appended by every launch
+from backend.monitor.alarms import AlarmRules, HealthAlarms, lookup, val_reward
+from recipes.dapo.alarm_log import ALARMS, AlarmLog
+from recipes.dapo.tracebacks import Tracebacks
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RAY_PREFIX = re.compile(r"^\((?:[\w.:-]+(?: pid=\d+)?|pid=\d+)(?:, ip=[\w.:-]+)?\)\s?")
@@ -100,10 +101,12 @@ def warning_text(text: str) -> str | None:
 
 
 def progress_bar(step: int, total: int | None) -> str:
+    """`[####......] step/total` (tqdm's bar, '#' done); `step N` while the total is unknown."""
     if not total:
         return f"step {step}"
-    done = min(BAR, round(BAR * step / total))
-    return f"[{'#' * done}{'.' * (BAR - done)}] {step:>{len(str(total))}}/{total}"
+    # the bar alone: tqdm drops the total of a count past it (a resume may run past --steps)
+    bar = tqdm.format_meter(min(step, total), total, 0, bar_format=f"[{{bar:{BAR}}}]", ascii=".#")
+    return f"{bar} {step:>{len(str(total))}}/{total}"
 
 
 def _fmt(value: float) -> str:
@@ -152,36 +155,6 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
     add("", lookup(metrics, "timing_s/step"), lambda v: f"{v:.1f}s")
     add("comm", lookup(metrics, "timing/comm_share"), lambda v: f"{v:.0%}")
     return " | ".join(p.strip() for p in parts)
-
-
-@dataclass
-class AlarmLog:
-    """Where alarms are kept: `<run>/alarms.jsonl` (appended) and tensorboard, when given."""
-
-    path: Path
-    tensorboard_dir: str | None = None
-    _writer: object = None
-
-    def write(self, alarm) -> None:
-        import json
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(alarm.as_dict()) + "\n")
-        if self.tensorboard_dir:
-            if self._writer is None:  # imported only once an alarm fires
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writer = SummaryWriter(self.tensorboard_dir)
-            self._writer.add_scalar(f"alarms/{alarm.kind}", alarm.values.get("measured", 1.0),
-                                    alarm.step)  # fmt: skip
-            self._writer.add_text("alarms", alarm.line(), alarm.step)
-            self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
 
 @dataclass
@@ -353,7 +326,7 @@ class Console:
         if self.verbose or not self.out.isatty() or now - self._status_at < TICK_S:
             return
         self._status_at, self._status_on = now, True
-        elapsed = f"{now - self._started:.0f}s"
+        elapsed = tqdm.format_interval(now - self._started)
         latest = text.strip()[:60]
         self.out.write(f"\r\x1b[K{progress_bar(self.steps, self.total_steps)} {elapsed} {latest}")
         self.out.flush()

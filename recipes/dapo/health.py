@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from recipes.dapo.console import ALARMS
+from recipes.dapo.alarm_log import ALARMS
 
 
 def latest_actor_checkpoint(root: Path) -> Path | None:

@@ -1,0 +1,304 @@
+"""What the launcher resolves before it starts anything: its arguments, the run they make.
+
+`build_parser` and `split_argv`: the launcher's own flags, and the verl overrides after `--`.
+`resolve`: a cluster run (npu / cuda), checked against the model (parallel/), the model and
+data files, the reward its overrides configure; offload decided by the memory model.
+`resolve_local`: the embedded CPU run on the tiny model (recipes.local), or with
+--ray-address the same tiny job on that running cluster. Either way a `Resolved` (overrides
+by group, verl's command line), nothing started; misuse raises LaunchError with one line.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.cli_contract import OneLineParser
+from recipes.dapo import check_actor_cp, cluster, data, dry_run, overrides
+from recipes.dapo.cluster import LaunchError
+
+# the launcher's --help headline (recipes/dapo/launch.py is the entry point)
+DESCRIPTION = (
+    "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.dapo.launch`)."
+)
+CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
+CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "cp", "skew_from")
+LOCAL_ONLY = ("steps", "seed", "resume")
+LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="scripts/train_mcore.sh",
+        description=DESCRIPTION,
+        epilog="verl overrides go after `--`, e.g. -- trainer.total_epochs=2",
+    )
+    plan = p.add_argument_group("parallel plan (cluster default: tp 4, ep 8, etp 1, pp 1, cp 1)")
+    for dim in CLUSTER_PLAN:
+        plan.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim} size")
+    plan.add_argument("--nodes", type=positive_int, default=4, help="nodes in the Ray cluster")
+    plan.add_argument(
+        "--devices-per-node", type=positive_int, default=8, help="accelerators per node"
+    )
+    p.add_argument(
+        "--device",
+        choices=("npu", "cuda", "cpu"),
+        default=None,
+        help="default: this machine's accelerator, else cpu (the local run)",
+    )
+    p.add_argument("--model", help="HF checkpoint dir of Qwen3-30B-A3B (config.json + safetensors)")
+    p.add_argument(
+        "--train-file", help=f"{data.TRAIN.filename} (scripts/prepare_data.py checks it)"
+    )
+    p.add_argument("--val-file", help=f"{data.VAL.filename}")
+    p.add_argument(
+        "--ckpt-dir", help="checkpoints and logs (shared filesystem); local run: its --out"
+    )
+    p.add_argument("--ifname", help="network interface for HCCL/NCCL and gloo (e.g. eth0)")
+    p.add_argument(
+        "--ray-address",
+        metavar="HEAD_IP:PORT",
+        help="the running Ray cluster (ray_start_head.sh prints it); default: the one Ray finds "
+        "from this node. --device cpu: run the tiny job on it instead of the embedded run",
+    )
+    p.add_argument("--dry-run", action="store_true", help="resolve and print, start nothing")
+    p.add_argument(
+        "--skew-from",
+        metavar="REPORT",
+        help="routing report of an earlier run: the EP skew the memory check assumes",
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="tracebacks on the console: the launcher's, and the trainer's for a refused checkpoint",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of verl, Ray and the workers (they always go to the run's log)",
+    )
+    local = p.add_argument_group(
+        "local run (CPU only; a cluster run takes verl overrides after --)"
+    )
+    local.add_argument("--steps", type=int, default=None, help="training steps")
+    local.add_argument("--seed", type=int, default=None, help="random seed")
+    local.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir"
+    )
+    return p
+
+
+@dataclass(frozen=True)
+class Resolved:
+    run: overrides.RunSpec
+    model_fit: object  # parallel.plan.ModelFit
+    groups: dict[str, dict]
+    replaced: list[str]
+    skew_lines: tuple[str, ...] = ()  # parallel.skew: verdict at the assumed EP skew, margin
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides.to_cli(self.groups)]
+
+    def describe(self) -> str:
+        """What the dry run prints, and every launch's log begins with (recipes.dapo.dry_run)."""
+        return dry_run.describe(self)
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
+
+
+def pick_device(requested: str | None) -> str:
+    from backend.device import resolve_device
+
+    return resolve_device(requested or "auto")
+
+
+def _require(args, *names: str) -> None:
+    missing = [f"--{n.replace('_', '-')}" for n in names if not getattr(args, n)]
+    if missing:
+        raise LaunchError(
+            f"a cluster run needs {', '.join(missing)}: pass the model dir, data files "
+            "and a checkpoint dir on the shared filesystem"
+        )
+
+
+def check_model(path: str) -> Path:
+    model = Path(path).expanduser()
+    if not (model / "config.json").is_file():
+        raise LaunchError(
+            f"--model {model} has no config.json: pass the HF checkpoint dir of Qwen3-30B-A3B"
+        )
+    return model
+
+
+def check_data(train: str | None, val: str | None, groups: dict, counts: bool = False) -> None:
+    """Each data file given (a dry run may give either or none), its data_source values
+    against the reward these overrides configure."""
+    given = [(p, d) for p, d in ((train, data.TRAIN), (val, data.VAL)) if p is not None]
+    scorer = reward_scorer(groups) if given else None
+    for path, dataset in given:
+        report = data.check_file(Path(path).expanduser(), dataset, counts=counts, scorer=scorer)
+        if not report.ok:
+            raise LaunchError(f"{dataset.name} {report.path}: " + "; ".join(report.problems))
+
+
+def reward_scorer(groups: dict):
+    """The scoring function verl's reward manager will use (data.check_file's `scorer`): None
+    for a custom_reward_function (it scores every data_source), else verl's default one."""
+    custom = overrides.value_of(groups, "reward.custom_reward_function.path")
+    if custom not in (None, "", "null"):
+        if not (cluster.REPO / Path(str(custom)).expanduser()).is_file():
+            raise LaunchError(
+                f"reward.custom_reward_function.path {custom} does not exist: pass the file "
+                "that defines the reward function (relative paths start at the repository)"
+            )
+        return None
+    manager = overrides.value_of(groups, "reward.reward_manager.name") or data.DAPO_MANAGER
+    return data.default_scorer(str(manager))
+
+
+def resolve(args, device: str, extra: list[str]) -> Resolved:
+    """Everything checked and decided; nothing started. Raises with one line on misuse."""
+    from parallel.models import load_spec
+    from parallel.plan import PlanError, plan_for_model
+    from recipes.dapo.fit import fit_rollout
+
+    local = [f"--{n}" for n in LOCAL_ONLY if getattr(args, n) not in (None, False)]
+    if local:
+        raise LaunchError(
+            f"{', '.join(local)} configure the local CPU run, not a {device} cluster run: "
+            "drop them (pass verl overrides after --, e.g. -- trainer.total_training_steps=N)"
+        )
+    # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
+    if not args.dry_run:
+        _require(args, "model", "train_file", "val_file", "ckpt_dir")
+    dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in CLUSTER_PLAN.items()}
+    check_actor_cp(dims["cp"])
+    model = check_model(args.model) if args.model else None
+    spec = load_spec(str(model) if model else None)
+    model_fit = plan_for_model(
+        spec, args.nodes, args.devices_per_node, **dims
+    )  # model reasons first
+    plan = model_fit.plan
+    rollout_tp = overrides.DAPO["rollout_tp"]
+    if plan.world % rollout_tp:
+        raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
+    skew = _assumed_skew(args.skew_from)
+    fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
+    if not args.dry_run:  # what only a real launch needs
+        from backend.optional import require
+        from converters.hf_io import shard_files
+
+        shard_files(model)  # raises CheckpointError naming what is missing
+        if device == "npu":
+            require("torch_npu", "--device npu")
+    ckpt_dir = Path(args.ckpt_dir or "<ckpt-dir>").expanduser()
+    env = {**cluster.job_env(device, args.ifname), "TENSORBOARD_DIR": str(ckpt_dir / "tensorboard")}
+    run = overrides.RunSpec(
+        device,
+        plan,
+        fit,
+        str(model or "<model: not given, Qwen3-30B-A3B config assumed>"),
+        str(Path(args.train_file or "<train-file>").expanduser()),
+        str(Path(args.val_file or "<val-file>").expanduser()),
+        str(ckpt_dir),
+        env,
+        ray_address=args.ray_address,
+    )
+    built = overrides.build(run)
+    # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
+    built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
+    groups, replaced = overrides.merge(built, extra)
+    check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
+    groups = overrides.name_the_run(groups)
+    return Resolved(
+        run, model_fit, groups, replaced, dry_run.assumed_skew_lines(model_fit, fit, skew)
+    )
+
+
+def _assumed_skew(report: str | None):
+    from parallel.skew import default_skew, skew_from_report
+
+    return skew_from_report(report) if report else default_skew()
+
+
+def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
+    """The embedded run: the same overrides on the tiny model and task (recipes.local); with
+    --ray-address on that cluster's --nodes x --devices-per-node ranks."""
+    from parallel.plan import ParallelPlan
+    from recipes.dapo.fit import Fit
+    from recipes.local import run as local
+    from recipes.local.tiny_model import TINY_QWEN3_MOE
+
+    given = [n for n in CLUSTER_ONLY if getattr(args, n)]
+    if given:
+        flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
+        raise LaunchError(
+            f"{flags} configure a cluster run: add --device npu or cuda "
+            "(this machine has no accelerator; the local run uses the tiny model)"
+        )
+    tp, ep, pp = args.tp or 1, args.ep or 1, args.pp or 1
+    layers = TINY_QWEN3_MOE["num_hidden_layers"]
+    if layers % pp:
+        raise LaunchError(f"--pp {pp} does not divide the tiny model's {layers} layers: use 1 or 2")
+    nodes, per_node = _local_layout(args, tp, ep, pp)
+    plan = ParallelPlan(nodes=nodes, devices_per_node=per_node, tp=tp, ep=ep, pp=pp)
+    out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
+    if not args.resume and not args.dry_run:
+        _start_over(out)
+    hf_dir, files = local.prepare(out, seed=args.seed or 0)
+    # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
+    # so verl's offload/onload calls run between rollout and update here too
+    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
+    run = overrides.RunSpec(
+        "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
+        str(out / "checkpoints"), local.job_env(out),
+        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
+    )  # fmt: skip
+    groups, replaced = overrides.merge(overrides.build(run), extra)
+    groups = overrides.name_the_run(groups)
+    _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
+    return Resolved(run, None, groups, replaced), out, hf_dir
+
+
+def _local_layout(args, tp: int, ep: int, pp: int) -> tuple[int, int]:
+    """(nodes, ranks per node): the cluster's with --ray-address; else one node of the
+    smallest dp that lets the experts fold over the ranks."""
+    import math
+
+    if args.ray_address:
+        return args.nodes, args.devices_per_node
+    return 1, math.lcm(tp, ep) * pp
+
+
+def _check_cpu_rollout_model(model: Path) -> None:
+    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
+    from recipes.local.cpu_limits import problems
+    from recipes.local.overrides import ROLLOUT_TP
+
+    found = problems(model, ROLLOUT_TP)
+    if found:
+        raise LaunchError(found[0])
+
+
+def _start_over(out: Path) -> None:
+    """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
+    import shutil
+
+    old = [out / "checkpoints", out / "metrics", out / "tensorboard", out / "logs",
+           out / "alarms.jsonl"]  # fmt: skip
+    if any(p.exists() for p in old):
+        print(f"starting over in {out} (add --resume to continue the run there)")
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
