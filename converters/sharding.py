@@ -1,6 +1,6 @@
 """TP / EP / PP slicing between full (world-size-1) mcore tensors and one rank's parameters.
 
-One generic layer for every converter: the model family's mappings (converters.mappings,
+One generic layer for every converter: the model family's mappings (backend.weight_mappings,
 listed in backend/<model_type>/) say what a full mcore tensor is made of and, each for its
 own tensor, which part of it a TP rank holds; this module asks them.
 - TP: megatron tags split parameters with `tensor_model_parallel` and `partition_dim`;
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from converters.mappings import Mapping as WeightMapping
+from backend.weight_mappings import Mapping as WeightMapping
 from converters.table import ExpertSlice, MappingError, hf_to_mcore, rows_by_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

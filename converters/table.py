@@ -1,7 +1,7 @@
 """HF <-> megatron-core (local layer spec) state dicts, through a model family's mappings.
 
 The model folder (backend/<model_type>/, found from the spec: backend.families) lists one
-mapping per mcore tensor (converters.mappings): its name, the HF tensors it is made of, and
+mapping per mcore tensor (backend.weight_mappings): its name, the HF tensors it is made of, and
 how they combine. `{layer}` and `{expert}` are placeholders; the expert index in an HF name
 is global, in an mcore name it is the rank-local index (`ExpertSlice`).
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.families import family_of
-from converters.mappings import Mapping as WeightMapping
+from backend.weight_mappings import Mapping as WeightMapping
 
 
 class MappingError(KeyError):
