@@ -10,6 +10,8 @@ own tensor, which part of it a TP rank holds; this module asks them.
 - PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
 - Grouped experts (backend.experts) are walked per expert under SequentialMLP's names
   (`expanded_parameters`), so one table serves both expert modules.
+A model at world size 1 (`load_hf_into_model`, `model_to_hf`) is the case of no slicing;
+converters.table below works on state dicts alone and never sees a model.
 """
 
 import re
@@ -20,7 +22,14 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.weight_mappings import Mapping as WeightMapping
-from converters.table import ExpertSlice, MappingError, hf_to_mcore, rows_by_name
+from converters.table import (
+    ExpertSlice,
+    MappingError,
+    hf_to_mcore,
+    mcore_to_hf,
+    missing_error,
+    rows_by_name,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -101,6 +110,41 @@ def _mapping(rows: dict, key: str, name: str) -> WeightMapping:
             "config, with the local layer spec?"
         )
     return rows[key][0]
+
+
+def load_hf_into_model(
+    model: torch.nn.Module,
+    hf: Mapping[str, torch.Tensor],
+    spec,
+    experts: ExpertSlice | None = None,
+) -> None:
+    """Copy HF weights into an mcore model in place; every parameter must be covered, shapes must agree."""
+    converted = hf_to_mcore(hf, spec, experts)
+    params = {name: param for name, param, _ in expanded_parameters(model)}
+    uncovered = sorted(set(params) - set(converted))
+    if uncovered:
+        raise missing_error(
+            uncovered,
+            "model parameters with no HF source",
+            "is the model built from the same config?",
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            src = converted[name]
+            if src.shape != param.shape:
+                raise MappingError(
+                    f"{name}: HF gives shape {tuple(src.shape)}, model expects {tuple(param.shape)}; "
+                    "config.json and the weights disagree"
+                )
+            param.copy_(src)
+
+
+def model_to_hf(
+    model: torch.nn.Module, spec, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF state dict of an mcore model's parameters (world size 1)."""
+    params = {name: value for name, _, value in expanded_parameters(model)}
+    return mcore_to_hf(params, spec, fused_experts)
 
 
 def load_hf_sharded(
