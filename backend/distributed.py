@@ -7,6 +7,7 @@ rest of the backend receives as an argument.
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,26 @@ class ProcessGroups:
         return dist.get_rank(getattr(self, name))
 
 
+# megatron-core's model-parallel sizes, each a group init_parallel sets up
+_DIMS = ("tp", "pp", "cp", "ep", "etp")
+
+
+class ParallelSizes(Protocol):
+    """What init_parallel reads of a plan: its sizes, its world and a line naming it
+    (parallel.plan.ParallelPlan is one; the planner stays above the backend)."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+
+    @property
+    def world(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
 def current_groups() -> ProcessGroups:
     """The groups megatron-core's parallel state holds now (after init_parallel)."""
     from megatron.core import parallel_state as ps
@@ -56,38 +77,37 @@ def job_world() -> int:
 
 
 def init_parallel(
-    device: str, plan=None, seed: int = 1234, init_method: str | None = None
+    device: str, plan: ParallelSizes | None = None, seed: int = 1234, init_method: str | None = None
 ) -> ProcessGroups:
     """Join the process group (env:// under torchrun, a single rank otherwise) and set up
-    megatron-core's groups for `plan` (a parallel.plan.ParallelPlan over exactly this job's
-    ranks; None: every size 1). Call `prepare_device` first.
+    megatron-core's groups for `plan` (its sizes over exactly this job's ranks, e.g. a
+    parallel.plan.ParallelPlan; None: every size 1). Call `prepare_device` first.
 
     When megatron-core is already set up (a second engine in the same process, e.g. actor and
     reference), its groups must be the plan's."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from parallel.plan import ParallelPlan
-
     if not dist.is_initialized():
         _join(device, init_method)
     world = dist.get_world_size()
-    plan = plan or ParallelPlan.for_world(world)
-    if plan.world != world:
+    if plan is not None and plan.world != world:
         raise ValueError(f"plan {plan.describe()} is for {plan.world} ranks, this job has {world}")
+    wanted = {d: getattr(plan, d) if plan is not None else 1 for d in _DIMS}
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=plan.tp,
-            pipeline_model_parallel_size=plan.pp,
-            context_parallel_size=plan.cp,
-            expert_model_parallel_size=plan.ep,
-            expert_tensor_parallel_size=plan.etp,
+            tensor_model_parallel_size=wanted["tp"],
+            pipeline_model_parallel_size=wanted["pp"],
+            context_parallel_size=wanted["cp"],
+            expert_model_parallel_size=wanted["ep"],
+            expert_tensor_parallel_size=wanted["etp"],
         )
     groups = current_groups()
-    sizes = {d: groups.size(d) for d in ("tp", "pp", "cp", "ep", "etp")}
-    if sizes != {d: getattr(plan, d) for d in sizes}:
+    sizes = {d: groups.size(d) for d in _DIMS}
+    if sizes != wanted:
+        named = plan.describe() if plan is not None else " ".join(f"{d}=1" for d in _DIMS)
         raise ValueError(
-            f"megatron-core is already set up with {sizes}, not plan {plan.describe()}: "
+            f"megatron-core is already set up with {sizes}, not plan {named}: "
             "every engine of a process (actor, reference) must use the same plan"
         )
     # No CUDA RNG on CPU: the inference tracker keeps plain torch RNG (dropout is 0 here).

@@ -3,8 +3,8 @@
 `backend/<model_type>/family.py` defines `FAMILY`, a `ModelFamily`: everything the generic
 code (backend.model, converters, parallel) needs to know about that model: reading its HF
 config into a spec, the megatron-core TransformerConfig fields and layer spec, the weight
-mapping objects (converters.mappings) and parameter counts. A spec names its family through
-its `model_type` class attribute. Adding a model is adding its folder: nothing here lists them.
+mapping objects (backend.weight_mappings) and parameter counts. A spec names its family
+through its `model_type` class attribute. Adding a model is adding its folder: nothing here lists them.
 """
 
 import importlib
@@ -71,8 +71,9 @@ class ModelFamily:
     transformer_config_kwargs: Callable[[Any], dict]
     gpt_model_kwargs: Callable[[Any], dict]
     layer_spec: Callable[..., Any]
-    # weights: converters.mappings objects (one per mcore tensor, `{layer}`/`{expert}` templated,
-    # HF hub layout), HF keys to ignore, and the in-memory <-> hub HF layouts (identity if one)
+    # weights: backend.weight_mappings objects (one per mcore tensor, `{layer}`/`{expert}`
+    # templated, HF hub layout), HF keys to ignore, and the in-memory <-> hub HF layouts
+    # (identity if one)
     mappings: tuple
     hf_ignored: re.Pattern
     unfuse_hf: Callable[[Mapping], dict]

@@ -188,9 +188,9 @@ class RouterInstruments:
 
 def _monitor(spec, groups: ProcessGroups, settings: dict, tap):
     """The monitor, with a SkewGuard holding the EP skew the plan's memory verdict assumed
-    (settings["assumed_ep_skew"], parallel.skew's default otherwise)."""
+    (settings["assumed_ep_skew"], the fresh-run default otherwise)."""
+    from backend.common import DEFAULT_EP_SKEW
     from backend.monitor import ExpertLoadMonitor, SkewGuard, tensorboard_writer
-    from parallel.skew import DEFAULT_EP_SKEW
 
     log_dir = settings.get("log_dir")
     writer = tensorboard_writer(log_dir, groups) if log_dir else None

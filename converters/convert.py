@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from backend.families import family_of, load_spec
+from backend.weight_mappings import Mapping as WeightMapping
 from converters.atomic import atomic_dir, check_free_space, check_target
 from converters.dist_read import DistReader
 from converters.errors import ConversionError
@@ -22,7 +23,6 @@ from converters.hf_source import HFSource
 from converters.hf_writer import ShardedWriter, TensorSpec, copy_template
 from converters.layout import Layout, build_layout
 from converters.manifest import ManifestWriter
-from converters.mappings import Mapping as WeightMapping
 from converters.readahead import ReadAhead
 from converters.table import MappingError, combine_row, rows_by_name, split_row
 

@@ -1,6 +1,6 @@
 """TP / EP / PP slicing between full (world-size-1) mcore tensors and one rank's parameters.
 
-One generic layer for every converter: the model family's mappings (converters.mappings,
+One generic layer for every converter: the model family's mappings (backend.weight_mappings,
 listed in backend/<model_type>/) say what a full mcore tensor is made of and, each for its
 own tensor, which part of it a TP rank holds; this module asks them.
 - TP: megatron tags split parameters with `tensor_model_parallel` and `partition_dim`;
@@ -10,6 +10,8 @@ own tensor, which part of it a TP rank holds; this module asks them.
 - PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
 - Grouped experts (backend.experts) are walked per expert under SequentialMLP's names
   (`expanded_parameters`), so one table serves both expert modules.
+A model at world size 1 (`load_hf_into_model`, `model_to_hf`) is the case of no slicing;
+converters.table below works on state dicts alone and never sees a model.
 """
 
 import re
@@ -19,8 +21,15 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
-from converters.mappings import Mapping as WeightMapping
-from converters.table import ExpertSlice, MappingError, hf_to_mcore, rows_by_name
+from backend.weight_mappings import Mapping as WeightMapping
+from converters.table import (
+    ExpertSlice,
+    MappingError,
+    hf_to_mcore,
+    mcore_to_hf,
+    missing_error,
+    rows_by_name,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -101,6 +110,41 @@ def _mapping(rows: dict, key: str, name: str) -> WeightMapping:
             "config, with the local layer spec?"
         )
     return rows[key][0]
+
+
+def load_hf_into_model(
+    model: torch.nn.Module,
+    hf: Mapping[str, torch.Tensor],
+    spec,
+    experts: ExpertSlice | None = None,
+) -> None:
+    """Copy HF weights into an mcore model in place; every parameter must be covered, shapes must agree."""
+    converted = hf_to_mcore(hf, spec, experts)
+    params = {name: param for name, param, _ in expanded_parameters(model)}
+    uncovered = sorted(set(params) - set(converted))
+    if uncovered:
+        raise missing_error(
+            uncovered,
+            "model parameters with no HF source",
+            "is the model built from the same config?",
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            src = converted[name]
+            if src.shape != param.shape:
+                raise MappingError(
+                    f"{name}: HF gives shape {tuple(src.shape)}, model expects {tuple(param.shape)}; "
+                    "config.json and the weights disagree"
+                )
+            param.copy_(src)
+
+
+def model_to_hf(
+    model: torch.nn.Module, spec, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF state dict of an mcore model's parameters (world size 1)."""
+    params = {name: value for name, _, value in expanded_parameters(model)}
+    return mcore_to_hf(params, spec, fused_experts)
 
 
 def load_hf_sharded(

@@ -1,7 +1,8 @@
-"""HF <-> megatron-core (local layer spec) state dicts, through a model family's mappings.
+"""HF <-> megatron-core (local layer spec) state dicts, through a model family's mappings
+(state dicts only: loading into a model and reading one out are converters.sharding's).
 
 The model folder (backend/<model_type>/, found from the spec: backend.families) lists one
-mapping per mcore tensor (converters.mappings): its name, the HF tensors it is made of, and
+mapping per mcore tensor (backend.weight_mappings): its name, the HF tensors it is made of, and
 how they combine. `{layer}` and `{expert}` are placeholders; the expert index in an HF name
 is global, in an mcore name it is the rank-local index (`ExpertSlice`).
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.families import family_of
-from converters.mappings import Mapping as WeightMapping
+from backend.weight_mappings import Mapping as WeightMapping
 
 
 class MappingError(KeyError):
@@ -74,7 +75,8 @@ def expand_table(
 # ---- conversion -------------------------------------------------------------------
 
 
-def _missing(names: list[str], what: str, fix: str) -> MappingError:
+def missing_error(names: list[str], what: str, fix: str) -> MappingError:
+    """`what`, the first names of `names` (and how many more), and the `fix`."""
     shown = ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
     return MappingError(f"{what}: {shown}; {fix}")
 
@@ -95,7 +97,7 @@ def hf_to_mcore(
         out[mcore] = combine_row(row, [hf[n] for n in hf_names], spec)
         used.update(hf_names)
     if missing:
-        raise _missing(
+        raise missing_error(
             missing,
             "HF checkpoint lacks weights",
             "is the checkpoint complete and for this config?",
@@ -103,7 +105,7 @@ def hf_to_mcore(
     full_slice = experts is None or experts.ep_size == 1
     extra = sorted(n for n in hf if n not in used and not family.hf_ignored.match(n))
     if extra and full_slice:
-        raise _missing(
+        raise missing_error(
             extra,
             f"HF checkpoint has weights this {family.name} config does not use",
             "does config.json (layers, experts) match the weights?",
@@ -126,49 +128,10 @@ def mcore_to_hf(
             continue
         out.update(zip(hf_names, split_row(row, mcore[name], spec), strict=True))
     if missing:
-        raise _missing(
+        raise missing_error(
             missing, "megatron-core state dict lacks tensors", "was it saved from this config?"
         )
     return family_of(spec).fuse_hf(out) if fused_experts else out
-
-
-def load_hf_into_model(
-    model: torch.nn.Module,
-    hf: Mapping[str, torch.Tensor],
-    spec,
-    experts: ExpertSlice | None = None,
-) -> None:
-    """Copy HF weights into an mcore model in place; every parameter must be covered, shapes must agree."""
-    from converters.sharding import expanded_parameters
-
-    converted = hf_to_mcore(hf, spec, experts)
-    params = {name: param for name, param, _ in expanded_parameters(model)}
-    uncovered = sorted(set(params) - set(converted))
-    if uncovered:
-        raise _missing(
-            uncovered,
-            "model parameters with no HF source",
-            "is the model built from the same config?",
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            src = converted[name]
-            if src.shape != param.shape:
-                raise MappingError(
-                    f"{name}: HF gives shape {tuple(src.shape)}, model expects {tuple(param.shape)}; "
-                    "config.json and the weights disagree"
-                )
-            param.copy_(src)
-
-
-def model_to_hf(
-    model: torch.nn.Module, spec, fused_experts: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF state dict of an mcore model's parameters (world size 1)."""
-    from converters.sharding import expanded_parameters
-
-    params = {name: value for name, _, value in expanded_parameters(model)}
-    return mcore_to_hf(params, spec, fused_experts)
 
 
 def rows_by_name(spec, experts: ExpertSlice | None = None) -> dict:

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import replace
 
 from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from backend.common import DEVICE_LABELS
+from backend.common import DEFAULT_EP_SKEW, DEVICE_LABELS
 from backend.families import ConfigError
 from backend.monitor.report import ReportError
 from backend.recompute import RECOMPUTE_CHOICES
@@ -27,7 +27,6 @@ from parallel.models import DEFAULT_MODEL_NAME, load_spec
 from parallel.plan import PlanError, plan_for_model
 from parallel.report import layout_summary, model_summary, plan_summary
 from parallel.skew import (
-    DEFAULT_EP_SKEW,
     REPORT_PERCENTILE,
     SkewAssumption,
     default_skew,

@@ -7,9 +7,10 @@ scales). Two sources:
   phase, i.e. a value that 1 in 20 layer-steps exceeds. The monitor sums a step's counts over
   all ranks and micro-batches, which smooths out per-micro-batch peaks: a high percentile, not
   the mean, compensates;
-- otherwise DEFAULT_EP_SKEW for a fresh run: the tiny run's worst layer-step was 1.77, and
-  a step-level figure under-states a single micro-batch, so the default rounds up to 2 (the
-  busiest EP rank receives twice its share).
+- otherwise DEFAULT_EP_SKEW (backend.common, where the monitor's guard reads it too) for a
+  fresh run: the tiny run's worst layer-step was 1.77, and a step-level figure under-states
+  a single micro-batch, so the default rounds up to 2 (the busiest EP rank receives twice
+  its share).
 
 The margin is the largest s in [1, ep] at which the update peak still fits (bisection on the
 memory model's verdict; s cannot exceed ep, every token on one rank).
@@ -21,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.common import DEFAULT_EP_SKEW
 from parallel.memory import MemoryOptions, estimate_memory
 from parallel.plan import ModelFit
 
-DEFAULT_EP_SKEW = 2.0
 REPORT_PERCENTILE = 95
 REPORT_PHASE = "update"  # the phase that runs backward, so keeps activations
 MARGIN_TOLERANCE = 1e-3

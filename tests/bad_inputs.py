@@ -95,9 +95,10 @@ def _v1_manifest(ctx: Ctx) -> Path:
 
 def _hold_lock(ctx: Ctx, argv: list) -> list:
     """A writer (this process) holds {tmp}/out while the CLI (argv) tries to write it."""
-    from converters.atomic import output_lock
+    from backend.atomic_outputs import output_lock
+    from converters.errors import ConversionError
 
-    lock = output_lock((ctx.tmp / "out").absolute())
+    lock = output_lock((ctx.tmp / "out").absolute(), ConversionError)
     lock.__enter__()
     ctx.release = lambda: lock.__exit__(None, None, None)
     return argv

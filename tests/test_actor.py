@@ -12,7 +12,7 @@ from backend.forward import next_token_log_probs
 from backend.model import build_model
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
-from converters.table import load_hf_into_model
+from converters.sharding import load_hf_into_model
 from tests.multiproc import run_ranks
 from tests.parallel_ranks import global_batch, nll_token_mean, run_actor_step
 from tests.reference_actor import McoreActor, OptimConfig

@@ -140,7 +140,7 @@ def _tiny_mcore(groups, hf_dir, recompute=False):
     from backend.model import BuildOptions, build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
-    from converters.table import load_hf_into_model
+    from converters.sharding import load_hf_into_model
 
     spec = load_qwen3_moe_spec(hf_dir)
     model = build_model(spec, groups, BuildOptions(recompute=recompute))

@@ -67,7 +67,7 @@ def test_dist_checkpoint_loads_into_the_mcore_model(world1, tiny_hf_dir, mcore_d
 
     from backend.model import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.table import load_hf_into_model
+    from converters.sharding import load_hf_into_model
 
     spec = load_qwen3_moe_spec(tiny_hf_dir)
     ref, model = build_model(spec, world1), build_model(spec, world1)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.common import DEFAULT_EP_SKEW
 from backend.monitor.history import LoadHistory
 from backend.monitor.report import ReportError, build_report, save_report
 from parallel.activations import (
@@ -21,7 +22,7 @@ from parallel.cli import main
 from parallel.memory import GIB, HEADROOM, MemoryOptions, estimate_memory
 from parallel.models import load_spec
 from parallel.plan import ParallelPlan, check_against_model
-from parallel.skew import DEFAULT_EP_SKEW, skew_from_report, skew_margin
+from parallel.skew import skew_from_report, skew_margin
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

@@ -14,9 +14,9 @@ import torch
 from backend.families import ConfigError, family, family_of, load_spec, model_types
 from backend.model import BuildOptions, build_model
 from backend.qwen3_moe import FAMILY, Qwen3MoeSpec
+from backend.weight_mappings import GatedMLPMapping, QKVMapping
 from converters.hf_io import read_state_dict
-from converters.mappings import GatedMLPMapping, QKVMapping
-from converters.table import load_hf_into_model, model_to_hf
+from converters.sharding import load_hf_into_model, model_to_hf
 from parallel.params import hf_param_counts, param_counts
 
 pytestmark = pytest.mark.mcore_compat

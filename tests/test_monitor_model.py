@@ -10,7 +10,7 @@ from backend.monitor.cli import main as monitor_cli
 from backend.qwen3_moe import load_qwen3_moe_spec
 from backend.router_tap import RouterTap
 from converters.hf_io import read_state_dict
-from converters.table import load_hf_into_model
+from converters.sharding import load_hf_into_model
 
 pytestmark = pytest.mark.mcore_compat
 BATCH, SEQ = 4, 16  # BATCH even: EP2 ranks are DP peers and need equal shapes

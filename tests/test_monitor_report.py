@@ -72,14 +72,14 @@ def test_render_writes_html_and_images(tmp_path, capsys):
 
 
 def test_outputs_one_writer_and_dead_runs_temp_dirs_removed(tmp_path, capsys):
-    """render and compare share converters.atomic's lock and pid-named temp dirs."""
+    """render and compare share backend.atomic_outputs' lock and pid-named temp dirs."""
     import os
 
+    from backend.atomic_outputs import output_lock
     from backend.monitor.compare import Side, Thresholds, compare
     from backend.monitor.compare_render import render_compare
     from backend.monitor.render import render
     from backend.monitor.report import ReportError
-    from converters.atomic import output_lock
     from tests.bad_inputs import dead_pid
 
     a = _write(tmp_path / "a.json", [BALANCED_LE, _collapsed_LE(2)])
@@ -92,7 +92,7 @@ def test_outputs_one_writer_and_dead_runs_temp_dirs_removed(tmp_path, capsys):
     assert not stale.exists() and live.is_dir() and (tmp_path / "cmp" / "compare.json").is_file()
     live.rmdir()
 
-    with output_lock((tmp_path / "cmp").absolute()):  # another writer holds it
+    with output_lock((tmp_path / "cmp").absolute(), ReportError):  # another writer holds it
         code, out, err = _cli(capsys, "compare", a, a, "-o", tmp_path / "cmp", "--force")
         refused = (
             f"error: {tmp_path}/cmp is being written by another process (pid {os.getpid()}, "

@@ -8,7 +8,7 @@ from backend.forward import forward_logits, token_log_probs
 from backend.model import build_model
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
-from converters.table import load_hf_into_model
+from converters.sharding import load_hf_into_model
 from tests.mcore_release import MCORE_RELEASE
 from tests.multiproc import run_plans, run_ranks
 from tests.parallel_ranks import BATCH, SEQ, global_batch, run_plan

@@ -13,8 +13,8 @@ from backend.forward import forward_logits, next_token_log_probs
 from backend.model import BuildOptions, build_model
 from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
-from converters.sharding import expanded_parameters
-from converters.table import load_hf_into_model, mcore_to_hf
+from converters.sharding import expanded_parameters, load_hf_into_model
+from converters.table import mcore_to_hf
 from tests.torch_features import needs_grouped_mm
 
 pytestmark = pytest.mark.mcore_compat

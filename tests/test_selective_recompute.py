@@ -10,7 +10,7 @@ from backend.model import BuildOptions, build_model, transformer_config
 from backend.qwen3_moe import load_qwen3_moe_spec
 from backend.recompute import recompute_mode
 from converters.hf_io import read_state_dict
-from converters.table import load_hf_into_model
+from converters.sharding import load_hf_into_model
 from tests.test_monitor_model import actor_step, batch
 
 pytestmark = pytest.mark.mcore_compat

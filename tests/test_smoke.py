@@ -8,7 +8,7 @@ from recipes.local.smoke import PARITY_TOL, main
 def test_smoke_run_learns_and_exports(tmp_path, capsys):
     """The parity it prints is within the fp32 tolerance, the loss falls, the export reloads.
     Catches an HF -> mcore load that leaves a weight at the model's own init (the routers
-    skipped in converters.table.load_hf_into_model): it still learns, and the export of what
+    skipped in converters.sharding.load_hf_into_model): it still learns, and the export of what
     it holds reloads with the same logits."""
     code = main(["--steps", "12", "--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from backend.aux_loss import losses
+import backend.aux_loss.losses as losses
 from backend.aux_loss.attach import RouterSite, with_aux_grad
 from backend.aux_loss.config import AuxLossConfig
 from backend.aux_loss.metrics import metric_dict

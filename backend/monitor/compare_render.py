@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.monitor import htmlpage as h
-from backend.monitor import plots
+import backend.monitor.htmlpage as h
+import backend.monitor.plots as plots
 from backend.monitor.compare import Side
 from backend.monitor.metrics import shares_LE
 from backend.monitor.outdir import atomic_dir

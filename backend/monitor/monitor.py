@@ -20,9 +20,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+import backend.monitor.tb as tb
 from backend.common import AUX_LOSS_PREFIX
 from backend.distributed import ProcessGroups
-from backend.monitor import tb
 from backend.monitor.alerts import RunWarning, SkewGuard
 from backend.monitor.history import LoadHistory, phase_metrics
 from backend.monitor.metrics import flatten, overall_metrics

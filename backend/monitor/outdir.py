@@ -1,14 +1,14 @@
-"""Write a directory of outputs atomically, one writer at a time: converters.atomic's mechanism
-(built in `.NAME.tmp-<pid>-*` beside the target, renamed in under the `.NAME.lock` flock;
-leftovers of killed runs are removed by the next run once their process is gone)."""
+"""Write a directory of outputs atomically, one writer at a time: backend.atomic_outputs'
+mechanism (built in `.NAME.tmp-<pid>-*` beside the target, renamed in under the `.NAME.lock`
+flock; leftovers of killed runs are removed by the next run once their process is gone)."""
 
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from backend import atomic_outputs
 from backend.monitor.report import ReportError
-from converters import atomic
 
 MARKER = ".routing-balance-output"  # lets a later render replace only our own directories
 
@@ -36,7 +36,7 @@ def atomic_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
         _check_replaceable(out, force)  # messages name the path as given
 
     out.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there
-    with atomic.atomic_dir(out, force, check=check, error=ReportError) as tmp:
+    with atomic_outputs.atomic_dir(out, force, check=check, error=ReportError) as tmp:
         yield tmp
         (tmp / MARKER).write_text("")
         os.chmod(tmp, 0o755)

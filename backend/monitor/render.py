@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.monitor import htmlpage as h
-from backend.monitor import plots
+import backend.monitor.htmlpage as h
+import backend.monitor.plots as plots
 from backend.monitor.metrics import layer_metrics, overall_metrics
 from backend.monitor.outdir import atomic_dir
 from backend.monitor.report import Report

@@ -2,7 +2,7 @@
 
 - config: `Qwen3MoeSpec`, `load_qwen3_moe_spec` (HF config.json -> validated spec),
 - megatron: its megatron-core TransformerConfig fields, GPTModel arguments and layer spec,
-- mapping: HF <-> mcore weight mappings (converters.mappings objects), fused HF experts,
+- mapping: HF <-> mcore weight mappings (backend.weight_mappings objects), fused HF experts,
 - params: parameter counts,
 - family: `FAMILY`, the backend.families.ModelFamily the generic code looks up by model_type.
 """

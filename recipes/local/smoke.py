@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from backend.model import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
-    from converters.table import load_hf_into_model, model_to_hf
+    from converters.sharding import load_hf_into_model, model_to_hf
     from recipes.local.tiny_model import make_tiny_checkpoint
 
     t0 = time.perf_counter()

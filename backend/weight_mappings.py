@@ -11,6 +11,7 @@ placeholder), split over the expert-TP group (`tp_group`), replicated over exper
 
 A model folder (backend/<model_type>/) lists its mappings with `{layer}` / `{expert}`
 placeholders in both names: the expert index is global in an HF name, rank-local in an mcore one.
+They live with the model folders that list them; the converters read them from here.
 """
 
 from dataclasses import dataclass
