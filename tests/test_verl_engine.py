@@ -20,7 +20,7 @@ from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
 from converters.sharding import gather_full
 from converters.table import mcore_to_hf
-from recipes.dapo import batches, weights
+from recipes.dapo import batches, ckpt_layout, weights
 from recipes.dapo.overrides import AUX_LOSS
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
@@ -402,7 +402,7 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     with pytest.raises(weights.CheckpointError, match="experts setting") as err:
         other.load_checkpoint(str(root))
     assert "\n" not in str(err.value)
-    weights.load_model(other.module, root / weights.MODEL_DIR)
+    weights.load_model(other.module, root / ckpt_layout.MODEL_DIR)
     for name, tensor in other.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
 

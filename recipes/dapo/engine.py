@@ -16,8 +16,8 @@ BaseEngine calls verl's workers make map onto our code:
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP in buckets
                       (mcore_ep.weight_sync_bucket_mb; converters.buckets)
-  save/load_checkpoint  recipes.dapo.weights (layout in its docstring); saves written in the
-                      background and sealed later with verl's checkpoint.async_save
+  save/load_checkpoint  recipes.dapo.weights (layout: recipes.dapo.ckpt_layout); saves written
+                      in the background and sealed later with verl's checkpoint.async_save
                       (recipes.dapo.saving)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
@@ -61,7 +61,8 @@ from backend.timing import (
     comm_share_warning,
     max_over_ranks,
 )
-from recipes.dapo import batches, saving, weights
+from converters.convert import HF_CONFIG  # the config.json copy the export reads
+from recipes.dapo import batches, ckpt_layout, saving, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.guards import EngineGuards
 from recipes.dapo.heads import head_from_hidden
@@ -625,22 +626,22 @@ class McoreEpEngine(BaseEngine):
         in_background = self._async_save and not self._last_step(global_step)
         weights.clear_for_save(root)
         self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
-        model_dir = root / weights.MODEL_DIR
+        model_dir = root / ckpt_layout.MODEL_DIR
         self.writer.write("model", self.module.sharded_state_dict(), model_dir, in_background)
         if rank == 0:
             config_json = Path(self.model_config.local_hf_config_path) / "config.json"
-            shutil.copyfile(config_json, model_dir / weights.HF_CONFIG)
+            shutil.copyfile(config_json, model_dir / HF_CONFIG)
             weights.save_meta(root, global_step, self.plan.record(), self.experts)
             self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
         if with_optim:
             # params stay loaded: the sharded optimizer state refers to the model's shards
             self.onload(model=False, optimizer=self.is_optimizer_offload_enabled, grad=False)
-            state_dir = root / weights.OPTIM_STATE
+            state_dir = root / ckpt_layout.OPTIM_STATE
             self.writer.write("optim", self.optim.sharded_for_save(), state_dir, in_background)
             if rank == 0:
-                self.optim.write_schedule(root / weights.OPTIM_DIR)
-        dirs = [model_dir] + ([root / weights.OPTIM_STATE] if with_optim else [])
-        tracker = saving.tracker_of(root) if self._async_save else None
+                self.optim.write_schedule(root / ckpt_layout.OPTIM_DIR)
+        dirs = [model_dir] + ([root / ckpt_layout.OPTIM_STATE] if with_optim else [])
+        tracker = ckpt_layout.tracker_of(root) if self._async_save else None
         sealed = partial(self._sealed, keep=max_ckpt_to_keep)
         self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
         # offloaded only once the writer has its copy: until then the plan's write items are
@@ -694,10 +695,12 @@ class McoreEpEngine(BaseEngine):
                 "experts setting, or export its weights (python -m converters mcore-to-hf) and "
                 "start from them"
             )
-        dirs = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
+        dirs = [root / ckpt_layout.MODEL_DIR] + (
+            [root / ckpt_layout.OPTIM_STATE] if with_optim else []
+        )
         if with_optim:
             weights.check_optim_dir(root)
-        weights.check_complete(dirs)
+        ckpt_layout.check_complete(dirs)
         # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
         weights.check_sealed(dirs, step_dir=root.parent)
         self.onload(
@@ -705,12 +708,12 @@ class McoreEpEngine(BaseEngine):
             optimizer=with_optim and self.is_optimizer_offload_enabled,
             grad=False,
         )
-        weights.load_model(self.module, root / weights.MODEL_DIR)
+        weights.load_model(self.module, root / ckpt_layout.MODEL_DIR)
         self.routing.trainer_steps = int(meta.get("global_step", 0))  # the report's step axis
         if self.optim:
             self.optim.reload_model_params()
         if with_optim:
-            self.optim.load(root / weights.OPTIM_DIR)
+            self.optim.load(root / ckpt_layout.OPTIM_DIR)
         self._log_loaded(root, meta)
         # as verl's megatron engine: the loaded state goes back to the host until it is used
         self.offload(
