@@ -560,11 +560,11 @@ def test_timing_off_and_dispatch_timing_on(make_engine):
 def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, caplog):
     engine = make_engine()
     quiet = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.3, "timing/comm_share": 0.3}
-    engine._warn_comm_share(quiet)
+    engine.metrics.warn_comm_share(quiet)
     assert engine.routing.monitor.report()["warnings"] == []
     loud = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.45, "timing/comm_share": 0.45}
-    engine._warn_comm_share(loud)
-    engine._warn_comm_share(loud)  # at most one warning every COMM_WARN_EVERY steps
+    engine.metrics.warn_comm_share(loud)
+    engine.metrics.warn_comm_share(loud)  # at most one warning every COMM_WARN_EVERY steps
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
