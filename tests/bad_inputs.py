@@ -459,9 +459,9 @@ def _engine_check(ctx: Ctx) -> str:
         "import torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='file://{ctx.tmp / 'pg'}', rank=0, "
         "world_size=1)\n"
-        "from recipes.dapo import weights\n"
+        "from recipes.dapo import ckpt_layout, weights\n"
         f"step = Path({str(step)!r})\n"
-        "weights.check_sealed([step / 'actor' / weights.MODEL_DIR], step_dir=step)\n"
+        "weights.check_sealed([step / 'actor' / ckpt_layout.MODEL_DIR], step_dir=step)\n"
     )
 
 

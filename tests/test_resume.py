@@ -19,7 +19,7 @@ import torch
 
 from converters.hf_io import CheckpointError
 from converters.safe_pickle import TORCH_SAVE_ALLOWED, UnsafeCheckpointError
-from recipes.dapo import cluster, resume, tracebacks
+from recipes.dapo import ckpt_layout, cluster, resume, tracebacks
 from recipes.dapo.console import open_console
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def _step_with(tmp_path: Path, marker: Path) -> Path:
     run = tmp_path / "run"
     step = run / "checkpoints" / "global_step_2"
     step.mkdir(parents=True)
-    (step.parent / resume.TRACKER).write_text("2")
+    (step.parent / ckpt_layout.TRACKER).write_text("2")
     crafted_data_state(step / resume.DATA_STATE, marker)
     return run
 
@@ -238,7 +238,7 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
 
     assert agree() is None  # no tracker
     ckpt.mkdir()
-    (ckpt / resume.TRACKER).write_text("4")
+    (ckpt / ckpt_layout.TRACKER).write_text("4")
     assert agree() is None  # the step it names is gone
     (ckpt / "global_step_4").mkdir()
     assert agree() == ckpt / "global_step_4"
@@ -246,7 +246,7 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
     relative = groups(**{"trainer.resume_mode": "resume_path",
                          "trainer.resume_from_path": "ckpt/global_step_4"})  # fmt: skip
     assert resume.resume_dir(relative, tmp_path) == ckpt / "global_step_4"
-    (ckpt / resume.TRACKER).write_text("four")
+    (ckpt / ckpt_layout.TRACKER).write_text("four")
     with pytest.raises(CheckpointError, match="holds 'four', not a step number"):
         resume.resume_dir(groups(), tmp_path)
 

@@ -614,7 +614,7 @@ def test_last_complete_checkpoint_is_what_resume_loads(tmp_path):
     """verl's tracker names the step; a checkpoint some rank had not finished (no manifest,
     as after a kill during the save) is passed over for the newest sealed one."""
     from converters.manifest import NAME
-    from recipes.dapo.weights import MODEL_DIR, OPTIM_STATE
+    from recipes.dapo.ckpt_layout import MODEL_DIR, OPTIM_STATE
 
     assert lost_node.last_complete_checkpoint(tmp_path) is None  # no tracker: nothing saved
     for step, sealed in ((1, True), (2, False)):

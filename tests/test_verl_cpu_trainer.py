@@ -112,7 +112,7 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     out, proc = run3
     ckpt = out / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    from recipes.dapo.weights import is_complete
+    from recipes.dapo.ckpt_layout import is_complete
 
     for step in (2, 3):  # step 2 written in the background and sealed later, 3 the last
         actor = ckpt / f"global_step_{step}" / "actor"

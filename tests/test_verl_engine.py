@@ -20,7 +20,7 @@ from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
 from converters.sharding import gather_full
 from converters.table import mcore_to_hf
-from recipes.dapo import batches, weights
+from recipes.dapo import batches, ckpt_layout, weights
 from recipes.dapo.overrides import AUX_LOSS
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
@@ -402,7 +402,7 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     with pytest.raises(weights.CheckpointError, match="experts setting") as err:
         other.load_checkpoint(str(root))
     assert "\n" not in str(err.value)
-    weights.load_model(other.module, root / weights.MODEL_DIR)
+    weights.load_model(other.module, root / ckpt_layout.MODEL_DIR)
     for name, tensor in other.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
 
@@ -560,11 +560,11 @@ def test_timing_off_and_dispatch_timing_on(make_engine):
 def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, caplog):
     engine = make_engine()
     quiet = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.3, "timing/comm_share": 0.3}
-    engine._warn_comm_share(quiet)
+    engine.metrics.warn_comm_share(quiet)
     assert engine.routing.monitor.report()["warnings"] == []
     loud = {"timing/step_s": 1.0, "timing/grad_reduce_s": 0.45, "timing/comm_share": 0.45}
-    engine._warn_comm_share(loud)
-    engine._warn_comm_share(loud)  # at most one warning every COMM_WARN_EVERY steps
+    engine.metrics.warn_comm_share(loud)
+    engine.metrics.warn_comm_share(loud)  # at most one warning every COMM_WARN_EVERY steps
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text

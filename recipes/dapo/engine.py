@@ -1,22 +1,25 @@
 """verl engine on our megatron-core Qwen3-MoE actor: backend "mcore_ep", devices cuda/npu/cpu.
 
 Importing this module registers the engine with verl's EngineRegistry (verl imports it in
-every worker through `actor_rollout_ref.model.external_lib=recipes.dapo.engine`). How the
-BaseEngine calls verl's workers make map onto our code:
+every worker through `actor_rollout_ref.model.external_lib=recipes.dapo.engine`). This module
+is verl's adapter: the engine's lifecycle, and the BaseEngine calls handed to the modules that
+do the work. How the BaseEngine calls verl's workers make map onto our code:
 
   __init__            prepare_device + init_parallel (megatron-core groups: tp, ep, etp, dp)
   initialize          build_model (local spec, grouped experts / SDPA) -> HF weights through converters.sharding
                       (each rank reads only its tensors) -> router instruments -> optimizer
   train_mode/eval_mode  verl's offload context + model.train()/eval()
-  forward_backward_batch  nested batch -> padded or packed (mcore_ep.packed, THD) micro-batches
-                      (recipes.dapo.batches) -> log-probs/entropy (recipes.dapo.heads:
-                      backend.lean_head, chunked, the output projection fused, no [T, V/tp]
-                      logits held) -> verl's loss_function -> backward
+  forward_backward_batch  recipes.dapo.passes (MicroBatchRunner): nested batch -> padded or
+                      packed (mcore_ep.packed, THD) micro-batches (recipes.dapo.batches) ->
+                      log-probs/entropy (recipes.dapo.heads: backend.lean_head, chunked, the
+                      output projection fused, no [T, V/tp] logits held) -> verl's loss_function
+                      -> backward; each micro-batch's routes: recipes.dapo.replay_routes
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
   optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP in buckets
                       (mcore_ep.weight_sync_bucket_mb; converters.buckets)
-  save/load_checkpoint  recipes.dapo.weights (layout in its docstring); saves written in the
+  save/load_checkpoint  recipes.dapo.ckpt_io (CheckpointIO; layout: recipes.dapo.ckpt_layout,
+                      weights and meta.json: recipes.dapo.weights); saves written in the
                       background and sealed later with verl's checkpoint.async_save
                       (recipes.dapo.saving)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
@@ -28,82 +31,35 @@ BaseEngine calls verl's workers make map onto our code:
   timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
                       forward_backward, grad_reduce, optimizer; between steps, counted in the
                       next one: weight_sync, offload, onload, old_log_prob. The last
-                      train_batch of a trainer step returns timing/* (see train_batch); a comm
-                      share over 30% is logged and kept in the routing report's warnings
+                      train_batch of a trainer step returns timing/* (see train_batch;
+                      recipes.dapo.step_metrics); a comm share over 30% is logged and kept in
+                      the routing report's warnings
+  metrics             recipes.dapo.step_metrics: timing/*, and the old-log-prob pass's route
+                      agreement and log-prob mismatch
 """
 
-import logging
 import os
-import shutil
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
-from verl.utils.py_functional import append_to_dict
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
-from backend.forward import forward_logits
 from backend.instruments import RouterInstruments
-from backend.lean_head import forward_hidden
 from backend.optim import DP_REDUCTION, OptimSettings, make_optimizer
-from backend.schedule import is_last_stage, run_micro_batches
-from backend.timing import (
-    SECTIONS,
-    MoEDispatchTimer,
-    StepTimer,
-    add_steps,
-    comm_layout,
-    comm_share_warning,
-    max_over_ranks,
-)
-from recipes.dapo import batches, saving, weights
+from backend.schedule import is_last_stage
+from backend.timing import StepTimer
+from recipes.dapo import saving, weights
+from recipes.dapo.ckpt_io import CheckpointIO
 from recipes.dapo.config import BACKEND
 from recipes.dapo.guards import EngineGuards
-from recipes.dapo.heads import head_from_hidden
+from recipes.dapo.passes import MicroBatchRunner
+from recipes.dapo.replay_routes import phase_of
+from recipes.dapo.step_metrics import StepMetrics, as_lists
 
-logger = logging.getLogger(__name__)
 DEVICES = ["cuda", "npu", "cpu"]
-DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
-COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
-
-
-def _one_temperature(temperature_B: torch.Tensor) -> float:
-    """A packed micro-batch is one row: its sequences must share one temperature."""
-    if not torch.all(temperature_B == temperature_B.flatten()[0]):
-        raise batches.BatchError(
-            "mcore_ep.packed=True with per-sequence temperatures that differ within a "
-            "micro-batch: use one sampling temperature, or packed=False"
-        )
-    return float(temperature_B.flatten()[0])
-
-
-def _micro_batch_temperature(temperature, mb):
-    """verl's temperature (a float, or one per row) for this micro-batch's rows."""
-    if isinstance(temperature, torch.Tensor) and temperature.dim() and temperature.numel() > 1:
-        temperature = temperature[mb.rows]
-        if mb.cu_seqlens is not None:
-            return _one_temperature(temperature)
-        extra = mb.ids_BS.shape[0] - len(mb.rows)  # padding rows (batches.agree_over)
-        if extra:
-            temperature = torch.cat([temperature, temperature.new_ones(extra)])
-    return temperature
-
-
-@dataclass(frozen=True)
-class _Pass:
-    """One forward(-backward) pass over a batch's micro-batches."""
-
-    mbs: list
-    routes: list[dict]  # per micro-batch: RouterInstruments.set_routes arguments
-    loss_function: object
-    forward_only: bool
-    temperature: object
-    entropy: bool
+_DEFAULT_CONTENTS = ["model", "optimizer", "extra"]  # verl's checkpoint.save/load_contents
 
 
 def engine_device() -> str:
@@ -165,13 +121,13 @@ class McoreEpEngine(BaseEngine):
         self.writer = saving.CheckpointWriter(self.groups.dp, self._torch_device)
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
-        self._saved: list[Path] = []
         self._sync_headers: dict = {}  # weight sync's per-stage tensor list (pp > 1)
-        self.timer, self.dispatch_timer = StepTimer(enabled=False), None
-        self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
-        self._comm_warned_at: int | None = None
-        self._layout = None  # backend.timing.CommLayout, once timing is on
+        self.timer = StepTimer(enabled=False)  # replaced by initialize's (mcore_ep.timing)
         self.guards = EngineGuards(None)  # the opt-in loss guards (mcore_ep.guards)
+        # set by initialize: the passes, the metrics, the checkpoint saves and loads
+        self.passes: MicroBatchRunner | None = None
+        self.metrics: StepMetrics | None = None
+        self.checkpoints: CheckpointIO | None = None
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -211,17 +167,21 @@ class McoreEpEngine(BaseEngine):
                 optimizer=self.is_optimizer_offload_enabled,
                 grad=self.is_param_offload_enabled,
             )
-        self._start_timing()
-
-    def _start_timing(self) -> None:
-        """The step timer: the trained engine's only (a forward-only one never steps)."""
-        c = self.engine_config
-        on = c.timing and not c.forward_only
-        self.timer = StepTimer(self._torch_device, enabled=on)
-        if on:  # the comm-share warning's advice: nodes spanned or not
-            self._layout = comm_layout(self.groups)
-        if on and c.timing_dispatch:
-            self.dispatch_timer = MoEDispatchTimer(self.module, self.timer)
+        device = self._torch_device
+        self.passes = MicroBatchRunner(self.model, self.module, self.routing, self.guards,
+                                       self.groups, c, self.spec.num_experts, self.device,
+                                       device)  # fmt: skip
+        self.checkpoints = CheckpointIO(
+            self.writer, self.module, self.optim, self.routing, self.plan, self.experts,
+            self.model_config,
+            # looked up at each call: what self.onload/offload are then (a test spies on them)
+            onload=lambda **parts: self.onload(**parts),
+            offload=lambda **parts: self.offload(**parts),
+            param_offload=self.is_param_offload_enabled,
+            optimizer_offload=self.is_optimizer_offload_enabled,
+        )  # fmt: skip
+        self.metrics = StepMetrics.start(c, self.module, self.routing, self.groups, device)
+        self.timer = self.metrics.timer
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -278,20 +238,9 @@ class McoreEpEngine(BaseEngine):
 
     def is_mp_src_rank_with_outputs(self):
         ranks = self.groups.rank("tp"), self.groups.rank("cp")
-        return ranks == (0, 0) and self._last_stage
+        return ranks == (0, 0) and is_last_stage(self.groups)
 
     # ---- forward / backward ----------------------------------------------------------
-
-    def _set_batch_info(self, data) -> None:
-        """Global response-token count and DP size, as verl's token-mean losses expect."""
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
-        if "loss_mask" not in data.keys():
-            return
-        mask = data["loss_mask"]
-        tokens = (mask.values() if mask.is_nested else mask).sum().to(self._torch_device)
-        if self.get_data_parallel_size() > 1:
-            dist.all_reduce(tokens, group=self.groups.dp)
-        tu.assign_non_tensor(data, batch_num_tokens=int(tokens.item()))
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only:
@@ -301,243 +250,11 @@ class McoreEpEngine(BaseEngine):
             return self._forward_backward(data, loss_function, forward_only)
 
     def _forward_backward(self, data, loss_function, forward_only: bool):
-        self._set_batch_info(data)
-        tp, packed, step = self.groups.size("tp"), self.engine_config.packed, self._ladder
-        plans = batches.plan_micro_batches(data, tp, self.groups.dp, self._torch_device,
-                                           packed, step)  # fmt: skip
-        make = partial(batches.packed_micro_batch, step=step) if packed else batches.micro_batch
-        mbs = [make(data, rows, tp, self._torch_device) for rows in plans]
-        if self._tokens_gathered_over_ep:
-            mbs = batches.agree_over(mbs, self.groups.ep)
-        phase = self._phase(forward_only)
-        routes = [self._routes(mb, phase) for mb in mbs]
-        temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
-        entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
-        entropy |= not forward_only and self.guards.needs_entropy  # the entropy floor's bonus
-        this_pass = _Pass(mbs, routes, loss_function, forward_only, temperature, entropy)
-        if forward_only:
-            with self.routing.phase(phase):
-                outputs = self._run(this_pass)
-            self.routing.set_routes()
-            out = self._assemble(outputs, plans, {})
-            if phase == "old_log_prob":
-                self._old_log_prob_metrics(out, data)
-            return out
-        self.routing.start_step(mbs)
-        if self.routing.needs_counting_pass:
-            self._counting_pass(mbs, routes)
-        with self.routing.phase("update"):
-            outputs = self._run(this_pass)
-        return self._assemble(outputs, plans, self.routing.end_step())
-
-    @property
-    def _ladder(self) -> int:
-        """The packed-length ladder's step (mcore_ep.packed_length_step; npu: 512)."""
-        from backend.packing import ladder_step
-
-        return ladder_step(self.device, self.engine_config.packed_length_step)
-
-    @property
-    def _tokens_gathered_over_ep(self) -> bool:
-        """megatron's allgather dispatcher (CPU) with EP: micro-batches must agree in shape."""
-        ep = self.groups.size("ep") > 1
-        return ep and self.module.config.moe_token_dispatcher_type == "allgather"
-
-    @property
-    def _last_stage(self) -> bool:
-        return is_last_stage(self.groups)
-
-    @property
-    def _layers(self) -> range:
-        """The global indices of this pipeline stage's layers."""
-        numbers = [layer.layer_number - 1 for layer in self.module.decoder.layers]
-        return range(numbers[0], numbers[-1] + 1)
-
-    def _enter(self, mb, routes: dict) -> None:
-        """The router instruments' per-micro-batch state: token mask, routes to force."""
-        self.routing.set_tokens(mb.valid_BS, mb.response_BS)
-        self.routing.set_routes(**routes)
-
-    def _run(self, p: "_Pass") -> list[dict | None]:
-        """The micro-batches through megatron-core's schedule (backend.schedule); per
-        micro-batch, the last stage's result (None on earlier stages)."""
-        outputs: list[dict | None] = [None] * len(p.mbs)
-        recorded: list[torch.Tensor | None] = [None] * len(p.mbs)
-
-        def step(i: int):
-            mb = p.mbs[i]
-            self._enter(mb, p.routes[i])
-            if self._last_stage:
-                hidden = forward_hidden(self.model, mb.ids_BS, packed=mb.packed)
-                temperature = _micro_batch_temperature(p.temperature, mb)
-                outputs_BS = head_from_hidden(self.model, hidden, mb.ids_BS, temperature,
-                                              p.entropy)  # fmt: skip
-            else:
-                hidden = forward_logits(self.model, mb.ids_BS, packed=mb.packed)
-            if p.routes[i].get("record"):
-                recorded[i] = self.routing.recorder.take_BSLK(mb.ids_BS.shape[0], self.groups)
-            if not self._last_stage:
-                return hidden, hidden
-            outputs[i], loss = self._micro_batch_result(mb, outputs_BS, p)
-            return loss, hidden
-
-        def restore(i: int) -> None:  # micro-batch i's backward (and recompute) begins
-            self._enter(p.mbs[i], p.routes[i])
-
-        run_micro_batches(self.model, len(p.mbs), step, p.forward_only,
-                          tuple(p.mbs[0].ids_BS.shape), on_backward=restore)  # fmt: skip
-        for i, routes_BSLK in enumerate(recorded):
-            if routes_BSLK is not None:
-                routes_BSLK = self._all_stages_routes(routes_BSLK)
-                if outputs[i] is not None:
-                    outputs[i]["model_output"]["routed_experts"] = batches.routes_to_nested(
-                        routes_BSLK, p.mbs[i]
-                    )
-        return outputs
-
-    def _all_stages_routes(self, routes_BSLK: torch.Tensor) -> torch.Tensor | None:
-        """R2's recorded routes of this stage's layers (route_dtype: uint8 for <= 256
-        experts) -> every layer's on the last stage, the one whose outputs verl reads
-        (gathered there over PP); None on the other stages."""
-        pp = self.groups.size("pp")
-        if pp == 1:
-            return routes_BSLK
-        last = dist.get_global_rank(self.groups.pp, pp - 1)
-        parts = [torch.empty_like(routes_BSLK) for _ in range(pp)] if self._last_stage else None
-        dist.gather(routes_BSLK.contiguous(), parts, dst=last, group=self.groups.pp)
-        return torch.cat(parts, dim=2) if self._last_stage else None
-
-    def _micro_batch_result(self, mb, outputs_BS: dict, p: "_Pass"):
-        """(result, loss) of a micro-batch on the last stage: verl's loss on its outputs."""
-        outputs_BS["log_probs"] = outputs_BS["log_probs"].masked_fill(~mb.has_next_BS, 0.0)
-        model_output = {k: mb.to_nested(v) for k, v in outputs_BS.items()}
-        result = {
-            "model_output": {k: v.detach() for k, v in model_output.items()},
-            "loss": 1.0,
-            "metrics": {},
-        }
-        if p.loss_function is None:
-            return result, None
-        loss, metrics = p.loss_function(
-            model_output=model_output, data=mb.data, dp_group=self.groups.dp
-        )
-        if not p.forward_only and self.guards.on:  # verl's loss as it is, then the guards'
-            loss = loss + self.guards.loss(model_output, mb.data, metrics)
-        result.update(loss=float(loss.detach()), metrics=metrics)
-        return result, loss
-
-    # ---- routing replay and train-vs-rollout mismatch --------------------------------
-
-    def _phase(self, forward_only: bool) -> str:
-        if not forward_only:
-            return "update"
-        return "ref" if self.engine_config.forward_only else "old_log_prob"
-
-    def _routes(self, mb, phase: str) -> dict:
-        """set_routes arguments of a micro-batch: what to force, compare with and record.
-
-        R3: old-log-prob pass and update force the rollout's routes (every token the rollout
-        fed to its model: prompt and response but each row's last). R2: the old-log-prob pass
-        records the router's own routes (returned as `routed_experts`, which verl's trainer
-        hands back to the update), the update forces them. Padding keeps the router's own
-        choice. The rollout's routes are the reference, on response tokens, of the agreement
-        metric (old-log-prob pass: the rollout's weights) and of the update's route match
-        (the experts the update used); never in the ref pass."""
-        mode, keys = self.engine_config.router_replay, mb.data.keys()
-        if phase == "ref":
-            return {}
-        has_routes = "routed_experts" in keys
-        if mode in ("R2", "R3") and phase == "update" and not has_routes:
-            raise ValueError(
-                f"router_replay={mode}: the update batch has no routed_experts "
-                + (
-                    "(R2: the old-log-prob pass records them; is it skipped?)"
-                    if mode == "R2"
-                    else "(R3: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True)"
-                )
-            )
-        if phase == "old_log_prob" and mode == "R2" and has_routes:
-            raise ValueError(
-                "router_replay=R2 records its own routes in the old-log-prob pass, but the "
-                "batch already has the rollout's routed_experts: use R3, or turn "
-                "enable_rollout_routing_replay off"
-            )
-        if phase == "old_log_prob" and mode == "R3" and not has_routes:
-            raise ValueError(
-                "router_replay=R3 needs the rollout's routed_experts: set "
-                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
-            )
-        if not has_routes:
-            return {"record": mode == "R2"}
-        recorded = mode == "R2"  # R2's update: our own routes of every token
-        routes = batches.micro_batch_routes(
-            mb.data["routed_experts"], mb, self._torch_device, not recorded, self._layers,
-            self.spec.num_experts,
-        )  # fmt: skip
-        out = {"replay": routes if mode != "disabled" else None}
-        if not recorded:  # the rollout's routes: agreement (old log-probs), route match (update)
-            counted_BS = routes.use_BS if mb.response_BS is None else routes.use_BS & mb.response_BS
-            out["reference"] = replace(routes, use_BS=counted_BS)
+        phase = phase_of(forward_only, reference_engine=self.engine_config.forward_only)
+        out = self.passes.forward_backward(data, loss_function, phase)
+        if phase == "old_log_prob":
+            self.metrics.old_log_prob(out, data)
         return out
-
-    def _old_log_prob_metrics(self, out: dict, data) -> None:
-        """Agreement and log-prob mismatch of this pass: returned in its metrics and kept
-        for the next update step's (verl reads only the update's metrics)."""
-        from recipes.dapo.mismatch import rollout_logprob_abs_diff
-
-        metrics = self.routing.take_agreement()
-        if self._last_stage and "rollout_log_probs" in data.keys():
-            metrics.update(
-                rollout_logprob_abs_diff(out["model_output"]["log_probs"], data, self.groups.dp)
-            )
-        metrics = self._from_last_stage(metrics)
-        self.routing.pending = dict(metrics)
-        out["metrics"].update({k: [v] for k, v in metrics.items()})
-
-    def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The last stage's metrics on every stage (the monitor's report is written by rank 0)."""
-        pp = self.groups.size("pp")
-        if pp == 1:
-            return metrics
-        box = [metrics]  # our own floats, not a user file
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.pp, pp - 1),
-                                   group=self.groups.pp)  # fmt: skip
-        return box[0]
-
-    def _counting_pass(self, mbs, routes) -> None:
-        """Routing counts of the whole step before any backward (global_batch aux loss);
-        the output layer is skipped (no logits: only the routers' counts are read)."""
-        from backend.lean_head import output_layer_skipped
-
-        def step(i: int):
-            self._enter(mbs[i], routes[i])
-            out = forward_logits(self.model, mbs[i].ids_BS, packed=mbs[i].packed)
-            return (None, out) if self._last_stage else (out, out)
-
-        skipped = output_layer_skipped(self.model) if self._last_stage else nullcontext()
-        with self.routing.counting(), torch.no_grad(), skipped:
-            run_micro_batches(self.model, len(mbs), step, True, tuple(mbs[0].ids_BS.shape))
-
-    @staticmethod
-    def _assemble(outputs: list[dict | None], plans: list[list[int]], step_metrics: dict) -> dict:
-        """verl's output dict; on pipeline stages before the last (no outputs; verl reads
-        the last stage's tp-rank-0 ranks) only the step metrics."""
-        if outputs[0] is None:
-            metrics = {k: [v] for k, v in step_metrics.items()}
-            return {"model_output": {}, "loss": [], "metrics": metrics}
-        keys = outputs[0]["model_output"]
-        model_output = {
-            k: batches.restore_rows([o["model_output"][k] for o in outputs], plans) for k in keys
-        }
-        metrics: dict = {}
-        for o in outputs:
-            append_to_dict(metrics, o["metrics"])
-        metrics.update({k: [v] for k, v in step_metrics.items()})
-        return {
-            "model_output": model_output,
-            "loss": [o["loss"] for o in outputs],
-            "metrics": metrics,
-        }
 
     # ---- optimizer -------------------------------------------------------------------
 
@@ -552,37 +269,12 @@ class McoreEpEngine(BaseEngine):
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
         guarded = self.guards.end_step(self.groups.dp, self._torch_device)
-        outputs["metrics"].update({k: [v] for k, v in guarded.items()})
-        self._timing = add_steps(self._timing, self.timer.step_end())
+        outputs["metrics"].update(as_lists(guarded))
+        self.metrics.end_optimizer_step()
         if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
             self.routing.end_trainer_step()
-            outputs["metrics"].update({k: [v] for k, v in self._step_timing().items()})
+            outputs["metrics"].update(as_lists(self.metrics.trainer_step_timing()))
         return outputs
-
-    def _step_timing(self) -> dict[str, float]:
-        """The trainer step's timing/*: every section the engine times (0 if it did not run),
-        the maximum over ranks; warns when the communication share is over 30%."""
-        step, self._timing = self._timing, {}
-        if not self.timer.enabled:
-            return {}
-        sections = [s for s in SECTIONS if self.dispatch_timer or s not in DISPATCH_SECTIONS]
-        metrics = {f"timing/{s}_s": 0.0 for s in sections} | {"timing/unclosed_sections": 0.0}
-        metrics.update(step)
-        if dist.get_world_size() > 1:
-            metrics = max_over_ranks(metrics, self._torch_device)
-        if not metrics["timing/unclosed_sections"]:
-            del metrics["timing/unclosed_sections"]
-        self._warn_comm_share(metrics)
-        return metrics
-
-    def _warn_comm_share(self, metrics: dict[str, float]) -> None:
-        step, last = self.timer.steps, self._comm_warned_at
-        if last is not None and step - last < COMM_WARN_EVERY:
-            return
-        warning = comm_share_warning(step, metrics, layout=self._layout)
-        if warning is not None:
-            self._comm_warned_at = step
-            self.routing.add_warning(warning)
 
     def optimizer_zero_grad(self):
         self.optim.zero_grad()
@@ -610,7 +302,7 @@ class McoreEpEngine(BaseEngine):
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
     ):
-        """recipes.dapo.saving: the previous save is sealed first; this one is written in the
+        """recipes.dapo.ckpt_io: the previous save is sealed first; this one is written in the
         background with `checkpoint.async_save` (sealed later, at a train_batch), except at
         the run's last step, which returns sealed."""
         if hdfs_path:
@@ -618,102 +310,15 @@ class McoreEpEngine(BaseEngine):
                 "mcore_ep writes local (shared-filesystem) checkpoints only: "
                 "unset trainer.default_hdfs_dir"
             )
-        self.writer.finish()
-        root, rank = Path(local_path), dist.get_rank()
-        contents = set(self.checkpoint_config.get("save_contents", ["model", "optimizer", "extra"]))
-        with_optim = self.optim is not None and "optimizer" in contents
-        in_background = self._async_save and not self._last_step(global_step)
-        weights.clear_for_save(root)
-        self.onload(model=self.is_param_offload_enabled, optimizer=False, grad=False)
-        model_dir = root / weights.MODEL_DIR
-        self.writer.write("model", self.module.sharded_state_dict(), model_dir, in_background)
-        if rank == 0:
-            config_json = Path(self.model_config.local_hf_config_path) / "config.json"
-            shutil.copyfile(config_json, model_dir / weights.HF_CONFIG)
-            weights.save_meta(root, global_step, self.plan.record(), self.experts)
-            self.routing.write_report(root / "moe_report.json", model=str(self.model_config.path))
-        if with_optim:
-            # params stay loaded: the sharded optimizer state refers to the model's shards
-            self.onload(model=False, optimizer=self.is_optimizer_offload_enabled, grad=False)
-            state_dir = root / weights.OPTIM_STATE
-            self.writer.write("optim", self.optim.sharded_for_save(), state_dir, in_background)
-            if rank == 0:
-                self.optim.write_schedule(root / weights.OPTIM_DIR)
-        dirs = [model_dir] + ([root / weights.OPTIM_STATE] if with_optim else [])
-        tracker = saving.tracker_of(root) if self._async_save else None
-        sealed = partial(self._sealed, keep=max_ckpt_to_keep)
-        self.writer.commit(saving.PendingSave(root, dirs, tracker, global_step, on_sealed=[sealed]))
-        # offloaded only once the writer has its copy: until then the plan's write items are
-        # views of the device shards (copied to the host when the writer starts), whose
-        # storage a param offload frees
-        optimizer = with_optim and self.is_optimizer_offload_enabled
-        self.offload(model=self.is_param_offload_enabled, optimizer=optimizer)
-        if not in_background:
-            self.writer.finish()
-
-    @property
-    def _async_save(self) -> bool:
-        """verl's `checkpoint.async_save`: its trainer then leaves the tracker to the engine."""
-        return bool(self.checkpoint_config.get("async_save", False))
-
-    def _last_step(self, global_step: int) -> bool:
-        """The run's last save (verl saves at its last step; nothing polls the writer after
-        it): counted in trainer steps (verl's total_training_steps), not optimizer updates,
-        which a resumed run's steps without an update (trainer.critic_warmup) leave behind."""
+        config = self.checkpoint_config  # read at each save (a bench switches async_save)
         total = getattr(self.optimizer_config, "total_training_steps", None) or 0
-        return self.optim is None or (total > 0 and int(global_step) >= total)
-
-    def _sealed(self, root: Path, keep: int | None) -> None:
-        self._saved.append(root)
-        weights.prune(self._saved, keep)
-
-    def _log_loaded(self, root: Path, meta: dict) -> None:
-        """One line on rank 0 of what the load left in the engine: the checkpoint's global step
-        (meta.json), the optimizer's update count and its weights' norm (rank 0's shards), so
-        a resumed run shows it starts from the checkpoint, not from the HF weights."""
-        if dist.get_rank() != 0:
-            return
-        norm = weights.weights_norm(self.module)
-        update = self.optim.updates if self.optim else None
-        logger.warning(
-            "mcore_ep: resumed from %s: global step %s, optimizer update %s, weights norm "
-            "%.9e (rank 0's parameters)", root, meta.get("global_step"), update, norm,
+        self.checkpoints.save(
+            Path(local_path), global_step, max_ckpt_to_keep,
+            contents=set(config.get("save_contents", _DEFAULT_CONTENTS)),
+            async_save=bool(config.get("async_save", False)),
+            total_steps=total,
         )  # fmt: skip
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        self.writer.finish()
-        root = Path(local_path)
-        meta = weights.read_meta(root)
-        contents = set(self.checkpoint_config.get("load_contents", ["model", "optimizer", "extra"]))
-        with_optim = self.optim is not None and "optimizer" in contents
-        saved = (meta["plan"], meta.get("experts", "sequential"))
-        if with_optim and saved != (self.plan.record(), self.experts):
-            raise weights.CheckpointError(
-                f"{root} holds optimizer state for plan {saved[0]} with {saved[1]} experts, this "
-                f"run is {self.plan.record()} with {self.experts} experts: resume with the same plan and "
-                "experts setting, or export its weights (python -m converters mcore-to-hf) and "
-                "start from them"
-            )
-        dirs = [root / weights.MODEL_DIR] + ([root / weights.OPTIM_STATE] if with_optim else [])
-        if with_optim:
-            weights.check_optim_dir(root)
-        weights.check_complete(dirs)
-        # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
-        weights.check_sealed(dirs, step_dir=root.parent)
-        self.onload(
-            model=self.is_param_offload_enabled,
-            optimizer=with_optim and self.is_optimizer_offload_enabled,
-            grad=False,
-        )
-        weights.load_model(self.module, root / weights.MODEL_DIR)
-        self.routing.trainer_steps = int(meta.get("global_step", 0))  # the report's step axis
-        if self.optim:
-            self.optim.reload_model_params()
-        if with_optim:
-            self.optim.load(root / weights.OPTIM_DIR)
-        self._log_loaded(root, meta)
-        # as verl's megatron engine: the loaded state goes back to the host until it is used
-        self.offload(
-            model=self.is_param_offload_enabled,
-            optimizer=self.optim is not None and self.is_optimizer_offload_enabled,
-        )
+        contents = set(self.checkpoint_config.get("load_contents", _DEFAULT_CONTENTS))
+        self.checkpoints.load(Path(local_path), contents)

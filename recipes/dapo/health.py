@@ -17,7 +17,7 @@ from recipes.dapo.alarm_log import ALARMS
 def latest_actor_checkpoint(root: Path) -> Path | None:
     """<root>/global_step_N/actor with the largest N (verl's layout) of the complete ones
     (sealed: recipes.dapo.saving), or None."""
-    from recipes.dapo.weights import is_complete
+    from recipes.dapo.ckpt_layout import is_complete
 
     steps = [
         (int(m.group(1)), p / "actor")

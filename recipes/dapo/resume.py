@@ -26,10 +26,17 @@ from pathlib import Path
 from converters.hf_io import CheckpointError
 from converters.safe_pickle import UnsafeCheckpointError, check_dist_checkpoint, check_torch_save
 from recipes.dapo import overrides
+from recipes.dapo.ckpt_layout import (
+    ACTOR,
+    MODEL_DIR,
+    OPTIM_STATE,
+    TRACKER,
+    check_complete,
+    is_complete,
+    write_tracker,
+)
 
 DATA_STATE = "data.pt"
-TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint: the newest saved step
-ACTOR = "actor"
 QUEUE_STATE = "transfer_queue"  # verl's async trainer modes pickle it (pickle.load on resume)
 _DATA_WHAT = "verl's dataloader state (plain containers and tensors)"
 _DATA_FIX = (
@@ -47,11 +54,9 @@ def check_data_state(step_dir: Path) -> None:
 
 def check_step_dir(step_dir: Path, trainer_mode: str = "sync") -> None:
     """Everything verl and the engine unpickle when resuming from `step_dir`."""
-    from recipes.dapo import weights  # the engine's layout (megatron-side imports: only here)
-
     step_dir = Path(step_dir)
     check_data_state(step_dir)
-    for sub in (weights.MODEL_DIR, weights.OPTIM_STATE):
+    for sub in (MODEL_DIR, OPTIM_STATE):
         if (step_dir / ACTOR / sub / ".metadata").exists():
             check_dist_checkpoint(step_dir / ACTOR / sub)
     if trainer_mode != "sync" and (step_dir / QUEUE_STATE).exists():
@@ -98,9 +103,7 @@ def _saved_steps(root: Path) -> list[Path]:
 
 
 def _unfinished(step_dir: Path) -> bool:
-    from recipes.dapo import weights
-
-    return not weights.is_complete(step_dir / ACTOR)
+    return not is_complete(step_dir / ACTOR)
 
 
 _WHY = "was not completely written (the run stopped while saving it; the next save of that step replaces it)"
@@ -112,15 +115,13 @@ def settle_unfinished(groups: dict[str, dict], cwd: Path) -> str | None:
     it named a half-written one; removed when none is complete: a fresh start); returns the
     one line saying which and why, or None when nothing was half written. resume_path naming
     a half-written one: refused in one line."""
-    from recipes.dapo import weights
-
     mode = str(overrides.value_of(groups, "trainer.resume_mode") or "auto")
     if mode == "resume_path":
         step_dir = resume_dir(groups, cwd)
         actor = None if step_dir is None else step_dir / ACTOR
         if actor is not None and actor.is_dir() and _unfinished(step_dir):
-            subs = [actor / sub for sub in (weights.MODEL_DIR, weights.OPTIM_STATE)]
-            weights.check_complete([d for d in subs if d.is_dir()] or subs[:1])
+            subs = [actor / sub for sub in (MODEL_DIR, OPTIM_STATE)]
+            check_complete([d for d in subs if d.is_dir()] or subs[:1])
         return None
     local_dir = overrides.value_of(groups, "trainer.default_local_dir")
     if mode != "auto" or local_dir is None:
@@ -144,8 +145,6 @@ def settle_unfinished(groups: dict[str, dict], cwd: Path) -> str | None:
     if not older:
         tracker.unlink()
         return f"starting afresh (no complete checkpoint): {tracked} {_WHY}"
-    from recipes.dapo.saving import write_tracker
-
     write_tracker(tracker, _step(older[-1]))
     return f"resuming from {older[-1]}, the newest complete checkpoint: {tracked} {_WHY}"
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from recipes.dapo.ckpt_layout import write_tracker
 from recipes.dapo.save_plans import SavePlans
 
 KIND = "mcore-torch_dist"  # the manifests' format name (converters.manifest)
@@ -182,19 +183,3 @@ def _staged(request) -> tuple:
     if request.preload_fn is not None:
         args[1] = request.preload_fn()  # megatron's callers put the write buckets there
     return request.async_fn, args, request.async_fn_kwargs
-
-
-def tracker_of(root: Path) -> Path | None:
-    """verl's tracker file for an actor checkpoint in its layout (<dir>/global_step_N/actor)."""
-    from recipes.dapo.resume import TRACKER
-
-    if root.name != "actor" or not re.fullmatch(r"global_step_\d+", root.parent.name):
-        return None
-    return root.parent.parent / TRACKER
-
-
-def write_tracker(path: Path, step: int) -> None:
-    """verl's latest_checkpointed_iteration.txt, replaced atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(str(step))
-    tmp.replace(path)

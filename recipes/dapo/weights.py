@@ -1,16 +1,5 @@
-"""Weights in and out of the sharded actor: HF load, per-tensor HF export, checkpoints.
-
-Checkpoint layout under verl's `.../global_step_N/actor/` (save_checkpoint):
-  model/dist_ckpt/  megatron-core torch_dist checkpoint of the model (dist_checkpointing.save of
-                    the local-spec GPTModel's sharded_state_dict: every rank writes its shards,
-                    loadable at any TP/EP plan) + hf_config.json (the model's config.json).
-                    `python -m converters mcore-to-hf <that actor dir> OUT --template HF_DIR`
-                    exports it to HF safetensors.
-  optim/dist_ckpt/  megatron-core's sharded distributed-optimizer checkpoint (master weights,
-                    Adam moments and steps; dist_checkpointing, every rank writes its shards)
-  optim/schedule.json  the learning-rate schedule's update counter (resume with the same plan).
-  meta.json         format, global step, plan.
-"""
+"""Weights in and out of the sharded actor: HF load, per-tensor HF export, checkpoints (their
+layout and when one is complete: recipes.dapo.ckpt_layout)."""
 
 import json
 import shutil
@@ -22,14 +11,13 @@ import torch.distributed as dist
 
 from backend.distributed import ProcessGroups
 from backend.qwen3_moe import Qwen3MoeSpec
-from converters.convert import HF_CONFIG  # noqa: F401  (the config.json copy the export reads)
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
 from converters.table import expand_table, split_row
+from recipes.dapo.ckpt_layout import META, OPTIM_DIR, check_complete
 
 FORMAT = "mcore-moe-dapo/torch_dist/1"
-MODEL_DIR = "model/dist_ckpt"  # verl's layout, which converters.dist_read finds
 
 
 def hf_tensors(
@@ -183,14 +171,14 @@ def weights_norm(module) -> float:
 def save_meta(root: Path, global_step: int, plan: dict[str, int], experts: str) -> None:
     """experts: the module the optimizer state belongs to (model weights load into either)."""
     body = {"format": FORMAT, "global_step": global_step, "plan": plan, "experts": experts}
-    (root / "meta.json").write_text(json.dumps(body, indent=1))
+    (root / META).write_text(json.dumps(body, indent=1))
 
 
 def read_meta(root: Path) -> dict:
-    meta_path = root / "meta.json"
+    meta_path = root / META
     if not meta_path.is_file():
         raise CheckpointError(
-            f"{root} has no meta.json: not an mcore_ep checkpoint (trainer.resume_mode)"
+            f"{root} has no {META}: not an mcore_ep checkpoint (trainer.resume_mode)"
         )
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
@@ -198,10 +186,6 @@ def read_meta(root: Path) -> dict:
             f"{root}: checkpoint format {meta.get('format')!r}, this engine reads {FORMAT!r}"
         )
     return meta
-
-
-OPTIM_DIR = "optim"
-OPTIM_STATE = f"{OPTIM_DIR}/dist_ckpt"  # megatron's sharded optimizer state + schedule.json
 
 
 def check_optim_dir(root: Path) -> None:
@@ -220,44 +204,6 @@ def check_optim_dir(root: Path) -> None:
             f"{optim} has no megatron-core optimizer checkpoint (dist_ckpt/.metadata): was the "
             "save interrupted, or saved without the optimizer (checkpoint.save_contents)?"
         )
-
-
-def is_complete(root: Path) -> bool:
-    """A saved actor checkpoint whose every torch_dist directory carries its manifest.json:
-    written to the end and sealed (recipes.dapo.saving). A save cut short has none."""
-    from converters.manifest import NAME
-
-    dirs = [d for d in (root / MODEL_DIR, root / OPTIM_STATE) if d.is_dir()]
-    return (root / MODEL_DIR).is_dir() and all((d / NAME).is_file() for d in dirs)
-
-
-def unfinished_error(where: Path) -> CheckpointError:
-    return CheckpointError(
-        f"{where} was not completely written (no manifest.json: the run stopped while saving "
-        "it): resume from a complete checkpoint (trainer.resume_mode=auto picks the newest) "
-        "or from an earlier global_step_N (trainer.resume_from_path)"
-    )
-
-
-def check_complete(dirs: list[Path]) -> None:
-    from converters.manifest import NAME
-
-    for d in dirs:
-        if not (d / NAME).is_file():
-            raise unfinished_error(d)
-
-
-def is_sealed(root: Path) -> bool:
-    """Whether every rank finished writing the actor checkpoint `root` (seal wrote its
-    manifests: the model's, and the optimizer's where it was saved)."""
-    from converters.manifest import NAME
-
-    optim = root / OPTIM_STATE
-    return (
-        (root / "meta.json").is_file()
-        and (root / MODEL_DIR / NAME).is_file()
-        and (not optim.exists() or (optim / NAME).is_file())
-    )
 
 
 def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:

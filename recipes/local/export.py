@@ -49,13 +49,14 @@ def _logits_diff(actor: Path, export: Path) -> float:
     from backend.model import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.dapo import weights
+    from recipes.dapo.ckpt_layout import MODEL_DIR
 
     probe_BS = _probe_BS(AutoTokenizer.from_pretrained(export))
     groups = init_parallel(prepare_device("cpu"))
     try:
         spec = load_qwen3_moe_spec(export)
         model = build_model(spec, groups).eval()
-        weights.load_model(model, actor / weights.MODEL_DIR)
+        weights.load_model(model, actor / MODEL_DIR)
         mcore_BSV = forward_logits(model, probe_BS)
     finally:
         destroy_parallel()

@@ -54,7 +54,7 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
     """One save; its blocked seconds (the call, and the polls until sealed)."""
     from verl.trainer.config import CheckpointConfig
 
-    from recipes.dapo import weights
+    from recipes.dapo.ckpt_layout import is_complete
 
     engine.checkpoint_config = CheckpointConfig(async_save=background)
     start = time.perf_counter()
@@ -67,7 +67,7 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
         engine.writer.poll()
         polls, poll_s = polls + 1, poll_s + time.perf_counter() - start
     actor = root / f"global_step_{step}" / "actor"
-    assert weights.is_complete(actor), actor
+    assert is_complete(actor), actor
     size = sum(p.stat().st_size for p in actor.rglob("*") if p.is_file())
     return {"blocked_s": call_s + poll_s, "call_s": call_s, "polls": polls, "poll_s": poll_s,
             "plan_s": plan_s, "bytes": size}  # fmt: skip
