@@ -47,20 +47,14 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
+from backend.comm_share import add_steps, comm_layout, comm_share_warning, max_over_ranks
+from backend.dispatch_timing import MoEDispatchTimer
 from backend.forward import forward_logits
 from backend.instruments import RouterInstruments
 from backend.lean_head import forward_hidden
 from backend.optim import DP_REDUCTION, OptimSettings, make_optimizer
 from backend.schedule import is_last_stage, run_micro_batches
-from backend.timing import (
-    SECTIONS,
-    MoEDispatchTimer,
-    StepTimer,
-    add_steps,
-    comm_layout,
-    comm_share_warning,
-    max_over_ranks,
-)
+from backend.timing import SECTIONS, StepTimer
 from recipes.dapo import batches, saving, weights
 from recipes.dapo.config import BACKEND
 from recipes.dapo.guards import EngineGuards
