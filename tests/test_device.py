@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.device import DeviceError, prepare_device, resolve_device
-from backend.mcore_shims import SHIMS, apply_shims
+from backend.mcore_shims import SHIMS, TESTED_RELEASES, apply_shims
 from backend.optional import MissingDependencyError, available
 
 
@@ -30,6 +30,9 @@ def test_cpu_shims_are_named_and_make_mcore_device_calls_answer_cpu():
     active = apply_shims("cpu")
     assert active == sorted(s.name for s in SHIMS if "cpu" in s.devices)
     assert all(s.why for s in SHIMS)
+    # every shim names the tested releases that need it: one no release needs goes
+    assert all(s.releases and set(s.releases) <= set(TESTED_RELEASES) for s in SHIMS)
+    assert len({s.name for s in SHIMS}) == len(SHIMS)
     if not torch.cuda.is_available():
         assert torch.cuda.current_device() == torch.device("cpu")
         from megatron.core.transformer.moe import moe_utils

@@ -10,10 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "step_bench", ROOT / "scripts/bench/step_bench.py"
-    )
+def _script(name: str):
+    """A module of scripts/bench/ (not a package), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/bench/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -35,7 +34,7 @@ def test_tiny_preset_times_every_system(world1, tmp_path, capsys):
         "--systems",
         "ours,mcore-local,hf-grouped_mm,hf-eager",
     ]
-    bench = _bench()
+    bench = _script("step_bench")
     doc = bench.main(argv)
     assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == doc
     assert doc["settings"]["complete"] and doc["shape"]["tokens"] == 128
@@ -96,9 +95,9 @@ def _docstring_flops(shape: dict) -> int:
 
 def test_speedup_and_rates_follow_the_measured_times():
     """speed() and compare_to_reference() on set times: a wrong ratio or unit shows here."""
-    bench = _bench()
+    step_results = _script("step_results")
     ctx = {"shape": {"flops_per_step": 4e12, "tokens": 1000}, "peak_tflops": 10.0}
-    fast = dict(system="ours", **bench.speed([100.0, 200.0, 300.0], ctx), peak_mem_gib=2.0)
+    fast = dict(system="ours", **step_results.speed([100.0, 200.0, 300.0], ctx), peak_mem_gib=2.0)
     assert (fast["ms_per_step"], fast["ms_median"], fast["ms_min"], fast["ms_max"]) == (
         200.0,
         200.0,
@@ -106,10 +105,10 @@ def test_speedup_and_rates_follow_the_measured_times():
         300.0,
     )
     assert fast["tokens_per_s"] == 5000.0 and fast["model_tflops"] == 20.0 and fast["mfu"] == 2.0
-    ref = dict(system=bench.REFERENCE, **bench.speed([500.0], ctx), peak_mem_gib=4.0)
+    ref = dict(system=step_results.REFERENCE, **step_results.speed([500.0], ctx), peak_mem_gib=4.0)
     failed = dict(system="hf-eager", error="RuntimeError: out of memory")
     results = [fast, ref, failed]
-    bench.compare_to_reference(results)
+    step_results.compare_to_reference(results)
     assert fast["vs_hf_grouped_mm"] == {"speedup": 2.5, "peak_mem_ratio": 0.5}
     assert ref["vs_hf_grouped_mm"] == {"speedup": 1.0, "peak_mem_ratio": 1.0}
     assert "vs_hf_grouped_mm" not in failed

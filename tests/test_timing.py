@@ -6,15 +6,15 @@ import time
 import pytest
 import torch
 
-from backend.timing import (
+from backend.comm_share import (
     COMM_SHARE_WARN,
     CommLayout,
-    MoEDispatchTimer,
-    StepTimer,
     add_steps,
     comm_layout,
     comm_share_warning,
 )
+from backend.dispatch_timing import MoEDispatchTimer
+from backend.timing import StepTimer
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -240,7 +240,7 @@ def test_many_windows_are_resolved_and_an_abandoned_step_is_dropped(monkeypatch)
 def _max_rank(rank: int) -> dict:
     import torch.distributed as dist
 
-    from backend.timing import max_over_ranks
+    from backend.comm_share import max_over_ranks
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:

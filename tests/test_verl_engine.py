@@ -568,7 +568,7 @@ def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, c
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
-    # one CPU rank: no "keep EP and TP inside a node" (backend.timing.CommLayout)
+    # one CPU rank: no "keep EP and TP inside a node" (backend.comm_share.CommLayout)
     assert "one rank, no collective" in warning["text"] and "inside a node" not in warning["text"]
 
 

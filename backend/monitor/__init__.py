@@ -19,7 +19,7 @@ In the actor (every rank; counts are summed over the world at step end):
         tap.set_token_mask(response_mask_BS)  # padding and prompts excluded
         ...  # forward + backward of every micro-batch
     metrics.update(monitor.step_end(step, aux_losses))  # collective; checks the guard
-    monitor.add_warning(w) for a backend.timing.comm_share_warning(...) that is not None
+    monitor.add_warning(w) for a backend.comm_share.comm_share_warning(...) that is not None
     monitor.write_report("routing.json", model="Qwen3-30B-A3B")  # first rank writes
 """
 

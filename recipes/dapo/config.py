@@ -12,9 +12,10 @@ from typing import Any
 from verl.workers.config import ActorConfig, FSDPActorConfig
 from verl.workers.config.engine import EngineConfig
 
+from backend.dispatch_timing import DISPATCH_TIMING_DEFAULT
 from backend.guards import GuardSettings
 from backend.recompute import recompute_mode
-from backend.timing import DISPATCH_TIMING_DEFAULT, TIMING_DEFAULT
+from backend.timing import TIMING_DEFAULT
 from parallel.weight_sync import DEFAULT_BUCKET_MB
 from recipes.dapo import BACKEND, check_actor_cp
 

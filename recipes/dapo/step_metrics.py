@@ -5,18 +5,12 @@ report) and the old-log-prob pass's agreement and log-prob mismatch."""
 import torch
 import torch.distributed as dist
 
+from backend.comm_share import add_steps, comm_layout, comm_share_warning, max_over_ranks
+from backend.dispatch_timing import MoEDispatchTimer
 from backend.distributed import ProcessGroups
 from backend.instruments import RouterInstruments
 from backend.schedule import is_last_stage
-from backend.timing import (
-    SECTIONS,
-    MoEDispatchTimer,
-    StepTimer,
-    add_steps,
-    comm_layout,
-    comm_share_warning,
-    max_over_ranks,
-)
+from backend.timing import SECTIONS, StepTimer
 
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
@@ -52,7 +46,7 @@ class StepMetrics:
     ):
         self.timer, self.routing, self.groups, self.device = timer, routing, groups, device
         self.dispatch_timer = dispatch_timer
-        self.layout = layout  # backend.timing.CommLayout, once timing is on
+        self.layout = layout  # backend.comm_share.CommLayout, once timing is on
         self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
 

@@ -35,9 +35,9 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
 
 def comm_share_summary(history: list[dict], world: int = 1) -> dict:
     """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
-    is over 30% (backend.timing.comm_share_warning, the steps' mean seconds as its parts; the
+    is over 30% (backend.comm_share.comm_share_warning, the steps' mean seconds as its parts; the
     advice for one node of `world` ranks)."""
-    from backend.timing import CommLayout, comm_share_warning
+    from backend.comm_share import CommLayout, comm_share_warning
 
     rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
     if not rows:

@@ -53,10 +53,8 @@ import gc
 import importlib.metadata
 import json
 import platform
-import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -67,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from step_phases import PHASE_PREFIX, profile_phases  # noqa: E402  (same directory)
+from step_results import compare_to_reference, error_result, speed  # noqa: E402
 
 from parallel.models import QWEN3_30B_A3B as RELEASED_CONFIG  # noqa: E402
 from parallel.models import TINY_QWEN3_MOE  # noqa: E402
@@ -81,7 +80,6 @@ PRESETS = {  # name: (layers, batch, seq, config overrides)
 MCORE_SYSTEMS = ("ours", "mcore-local")
 HF_SYSTEMS = ("hf-grouped_mm", "hf-eager")
 SYSTEMS = MCORE_SYSTEMS + HF_SYSTEMS
-REFERENCE = "hf-grouped_mm"
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16, datasheet
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 1024**3
@@ -231,22 +229,6 @@ def time_steps(step, device: str, warmup: int, iters: int) -> list[float]:
     return times
 
 
-def speed(times: list[float], ctx: dict) -> dict:
-    ms = statistics.fmean(times)
-    tflops = ctx["shape"]["flops_per_step"] / (ms / 1e3) / 1e12
-    peak = ctx["peak_tflops"]
-    return dict(
-        ms_per_step=round(ms, 3),
-        ms_median=round(statistics.median(times), 3),
-        ms_min=round(min(times), 3),
-        ms_max=round(max(times), 3),
-        ms_std=round(statistics.pstdev(times), 3),
-        tokens_per_s=round(ctx["shape"]["tokens"] / (ms / 1e3), 1),
-        model_tflops=float(f"{tflops:.4g}"),
-        mfu=float(f"{tflops / peak:.4g}") if peak else None,
-    )
-
-
 def run_system(name: str, ctx: dict, args) -> dict:
     device = ctx["device"]
     build = build_mcore if name in MCORE_SYSTEMS else build_hf
@@ -265,12 +247,6 @@ def run_system(name: str, ctx: dict, args) -> dict:
     return result
 
 
-def error_result(name: str, err: BaseException) -> dict:
-    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-    where = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else None
-    return dict(system=name, error=f"{type(err).__name__}: {err}".strip()[:2000], where=where)
-
-
 def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -278,23 +254,6 @@ def free_memory(device: str) -> None:
 
 
 # ---------------------------------------------------------------- run
-
-
-def compare_to_reference(results: list[dict]) -> None:
-    """Add vs_hf_grouped_mm (speedup, peak memory ratio) to each timed result."""
-    ref = next((r for r in results if r["system"] == REFERENCE and "ms_per_step" in r), None)
-    for r in results:
-        if ref is None or "ms_per_step" not in r:
-            continue
-        mem = (
-            (r["peak_mem_gib"] / ref["peak_mem_gib"])
-            if ref["peak_mem_gib"] and r["peak_mem_gib"]
-            else None
-        )
-        r["vs_hf_grouped_mm"] = dict(
-            speedup=round(ref["ms_per_step"] / r["ms_per_step"], 3),
-            peak_mem_ratio=round(mem, 3) if mem is not None else None,
-        )
 
 
 def setup(args, systems: list[str]) -> dict:

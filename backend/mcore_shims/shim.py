@@ -1,0 +1,18 @@
+"""The Shim record: one named patch of megatron-core, why it exists, where it applies."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# the megatron-core releases the project tests (0.12.1 under MindSpeed, 0.16.1 elsewhere)
+TESTED_RELEASES = ("0.12.1", "0.16.1")
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    why: str
+    devices: tuple[str, ...]
+    # the tested megatron-core releases whose code needs it (read in their sources); on the
+    # others the patch is a no-op or patches what they never call
+    releases: tuple[str, ...]
+    patch: Callable[[], None]
