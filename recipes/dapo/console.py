@@ -6,8 +6,9 @@ and shows on the console only:
 - for each trainer step verl logs (its console logger's `step:N - key:value - ...` line), one
   compact line: a progress bar, reward, validation reward when the step validated, entropy,
   KL (the KL loss, or the update's ppo_kl), grad norm, rollout-vs-actor |log-prob diff|,
-  routing agreement, the worst layer's routing concentration (max/mean) and EP skew, step
-  time and communication share;
+  routing agreement, the worst layer's routing concentration (max/mean of its expert loads,
+  over the most it can be, E/K: `route 3.73x/4 L1`) and EP skew, step time and
+  communication share;
 - each distinct warning or error line once (numbers masked to tell them apart), and after
   the child ended the counts of the most repeated ones (all of them at the end of the log);
 - the run-health alarms (backend.monitor.alarms) that the step metrics raise, also appended
@@ -39,7 +40,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from backend.monitor.alarms import AlarmRules, HealthAlarms, lookup, val_reward
+from backend.monitor.alarms import NUM_EXPERTS, TOP_K, AlarmRules, HealthAlarms, lookup, val_reward
 from recipes.dapo.alarm_log import ALARMS, AlarmLog
 from recipes.dapo.tracebacks import Tracebacks
 
@@ -148,7 +149,9 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
     worst = _worst_layer(metrics, "max_over_mean")
     if worst is not None:
         where = f" L{worst[1]}" if worst[1] is not None else ""
-        parts.append(f"route {worst[0]:.2f}x{where}")
+        experts, top_k = lookup(metrics, NUM_EXPERTS), lookup(metrics, TOP_K)
+        most = f"/{experts / top_k:.3g}" if experts and top_k else ""  # E/K: every token
+        parts.append(f"route {worst[0]:.2f}x{most}{where}")
     skew = _worst_layer(metrics, "ep_max_over_mean")
     if skew is not None:
         parts.append(f"ep {skew[0]:.2f}x")
