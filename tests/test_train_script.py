@@ -528,7 +528,9 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
     assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     capsys.readouterr()
     _fails_with_one_line(
-        capsys, ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"], "--pp 3 does not divide"
+        capsys,
+        ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"],
+        "pp=3 does not divide num_hidden_layers=2: legal pp for this model: 1, 2",
     )
 
 

@@ -7,7 +7,9 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 nodes (recipes.dapo.lost_node).
 Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
 own Ray; with --ray-address, the same tiny job on that running cluster, through the cluster
-run's steps (`ray status` check, job environment, node watch): the one-box rehearsal.
+run's steps (`ray status` check, job environment, node watch): the one-box rehearsal. Its
+directory is written only once every check passed (`prepare_local`): an earlier run there is
+moved to <dir>.<UTC timestamp> without --resume (recipes.dapo.local_checks), never deleted.
 Everything after `--` passes through as verl overrides.
 This module runs the resolved job (verl's trainer through the console, the resume it will
 take, the lost-node watch); the flags and their resolution are recipes.dapo.resolution's,
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 from backend.cli_contract import parse_or_exit_code, run_cli
-from recipes.dapo import cluster, lost_node, resume, stack
+from recipes.dapo import cluster, local_checks, lost_node, resume, stack
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.resolution import (
     Resolved,
@@ -48,10 +50,14 @@ def run(args, extra: list[str]) -> int:
         resolved, out, hf_dir = resolve_local(args, extra)
     else:
         resolved = resolve(args, device, extra)
-    if args.dry_run:
+    if args.dry_run:  # writes nothing
         print(resolved.describe())
+        if device == "cpu" and not args.resume and local_checks.earlier_run(out):
+            print(local_checks.would_set_aside(out))
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
+    if device == "cpu":
+        prepare_local(out, args)
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
         cluster.raise_open_files()
@@ -65,6 +71,16 @@ def run(args, extra: list[str]) -> int:
         return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug,
                          watch=watch)  # fmt: skip
     return run_cluster(resolved, args.verbose, args.debug, watch)
+
+
+def prepare_local(out: Path, args) -> None:
+    """The local run's directory, once every check passed: an earlier run there moved aside
+    (without --resume; never deleted), then the tiny model and data made."""
+    from recipes.local.run import prepare
+
+    if not args.resume and local_checks.earlier_run(out):
+        print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
+    prepare(out, seed=args.seed or 0)
 
 
 def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None) -> int:

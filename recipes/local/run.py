@@ -22,10 +22,22 @@ from pathlib import Path
 from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 METRICS = "metrics"  # verl's file logger, one jsonl per launch
+# the tiny model prepare writes: the task's vocabulary, the tokenizer's end and pad ids
+TINY_HF = dict(eos_token_id=2, pad_token_id=0)
+
+
+def tiny_hf_config() -> dict:
+    """config.json's architecture fields of the tiny model prepare writes, in memory: what the
+    launcher checks before anything is written (a dry run writes nothing)."""
+    from parallel.models import TINY_QWEN3_MOE
+    from recipes.local.task import VOCAB_SIZE
+
+    return {"model_type": "qwen3_moe", **TINY_QWEN3_MOE, "vocab_size": VOCAB_SIZE, **TINY_HF}
 
 
 def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
-    """<out>/tiny_hf (model + tokenizer) and <out>/data (train/val parquet), made once."""
+    """<out>/tiny_hf (model + tokenizer), <out>/data (train/val parquet) and <out>/metrics,
+    made once (the launcher calls it once its checks pass)."""
     from transformers.utils.logging import disable_progress_bar
 
     from recipes.local.task import VOCAB_SIZE, write_data, write_tokenizer
@@ -36,26 +48,28 @@ def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
     if not (hf_dir / "tokenizer.json").is_file():
         tmp = out / ".tiny_hf.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(tmp, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2, pad_token_id=0)
+        make_tiny_checkpoint(tmp, seed=seed, vocab_size=VOCAB_SIZE, **TINY_HF)
         write_tokenizer(tmp)
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.replace(tmp, hf_dir)
     files = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
     if not all(p.is_file() for p in files.values()):
         files = write_data(data_dir)
+    (out / METRICS).mkdir(exist_ok=True)
     return hf_dir, files
 
 
-def job_env(out: Path) -> dict[str, str]:
+def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
     """The environment of the driver and (through ray_env) every Ray worker: the cluster
-    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs."""
+    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs (fresh: in a
+    directory emptied first, recipes.dapo.local_checks.set_aside)."""
     from recipes.dapo.cluster import job_env as cluster_env
 
     return {
         **cluster_env("cpu", None),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         # verl's file logger truncates its file: each launch (a resume too) gets its own
-        "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
+        "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS, fresh)),
     }
 
 
@@ -91,10 +105,11 @@ def _finish_files(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target:
                          world=world, export_max_logits_diff=diff)  # fmt: skip
 
 
-def next_metrics_file(folder: Path) -> Path:
-    """<out>/metrics/launch_NNN.jsonl, one past the newest."""
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"launch_{len(list(folder.glob('launch_*.jsonl'))):03d}.jsonl"
+def next_metrics_file(folder: Path, fresh: bool = False) -> Path:
+    """<out>/metrics/launch_NNN.jsonl, one past the newest (the first when fresh); nothing
+    is created."""
+    done = 0 if fresh else len(list(folder.glob("launch_*.jsonl")))
+    return folder / f"launch_{done:03d}.jsonl"
 
 
 def read_history(folder: Path) -> list[dict]:
