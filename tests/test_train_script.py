@@ -432,7 +432,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
-    _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+    _fails_with_one_line(capsys, ["--train-file", "/x"], "--train-file configure a cluster run")
 
 
 def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, monkeypatch):

@@ -6,9 +6,9 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster, watching its
 nodes (recipes.dapo.lost_node).
 Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
-own Ray; with --ray-address, the same tiny job on that running cluster, through the cluster
-run's steps (`ray status` check, job environment, node watch): the one-box rehearsal. Its
-directory is written only once every check passed (`prepare_local`): an earlier run there is
+own Ray, on the model --model chose (recipes.dapo.local_model); with --ray-address, the
+same job on that running cluster, through the cluster run's steps (`ray status` check, job
+environment, node watch): the one-box rehearsal. Its directory is written only once every check passed (`prepare_local`): an earlier run there is
 moved to <dir>.<UTC timestamp> without --resume (recipes.dapo.local_checks), never deleted.
 Everything after `--` passes through as verl overrides.
 This module runs the resolved job (verl's trainer through the console, the resume it will
@@ -47,7 +47,7 @@ def run(args, extra: list[str]) -> int:
     device = pick_device(args.device)
     t0 = time.perf_counter()
     if device == "cpu":
-        resolved, out, hf_dir = resolve_local(args, extra)
+        resolved, out, model = resolve_local(args, extra)
     else:
         resolved = resolve(args, device, extra)
     if args.dry_run:  # writes nothing
@@ -57,7 +57,7 @@ def run(args, extra: list[str]) -> int:
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
     if device == "cpu":
-        prepare_local(out, args)
+        prepare_local(out, args, model.name)
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
         cluster.raise_open_files()
@@ -68,19 +68,20 @@ def run(args, extra: list[str]) -> int:
     if device == "cpu":
         from recipes.local.run import run as run_local
 
-        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug,
+        return run_local(resolved, out, t0, verbose=args.verbose, debug=args.debug,
                          watch=watch)  # fmt: skip
     return run_cluster(resolved, args.verbose, args.debug, watch)
 
 
-def prepare_local(out: Path, args) -> None:
+def prepare_local(out: Path, args, model: str) -> None:
     """The local run's directory, once every check passed: an earlier run there moved aside
-    (without --resume; never deleted), then the tiny model and data made."""
+    (without --resume; never deleted), then the model (tiny / mini: built once; a directory:
+    used in place) and data made."""
     from recipes.local.run import prepare
 
     if not args.resume and local_checks.earlier_run(out):
         print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
-    prepare(out, seed=args.seed or 0)
+    prepare(out, seed=args.seed or 0, model=model)
 
 
 def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None) -> int:

@@ -1,9 +1,9 @@
 """The local run's decisions before anything is written or started (recipes.dapo.resolution).
 
 `model_fit`: the plan (tp, ep, etp, pp, cp) checked against the model the run will train
-(actor_rollout_ref.model.path when passed through after `--`, else the tiny model: its
-config.json, or in memory while it is not written yet) with parallel.plan's checks, the
-cluster run's: each refusal names the legal values.
+(recipes.dapo.local_model: --model tiny / mini, from its config in memory until it is
+written, or the user's directory) with parallel.plan's checks, the cluster run's: each
+refusal names the legal values.
 `check_rollout_model`: vLLM's CPU backend limits (recipes.local.cpu_limits) on that model.
 `check_resume`: --resume with no checkpoint to continue is refused, naming the directory.
 `earlier_run` / `set_aside`: a new run in a directory an earlier run wrote into moves that
@@ -18,37 +18,16 @@ from pathlib import Path
 
 from recipes.dapo import check_actor_cp, cluster, overrides, resume
 from recipes.dapo.cluster import LaunchError
+from recipes.local.models import BUILT
 
-MODEL_KEY = "actor_rollout_ref.model.path"
-# what a local run writes into its directory: the tiny model and data (recipes.local.run's
+# what a local run writes into its directory: the built models and data (recipes.local.run's
 # prepare), verl's outputs, the console's logs, finish's report, export and summary
-RUN_FILES = ("tiny_hf", ".tiny_hf.partial", "data", "checkpoints", "metrics", "tensorboard",
-             "logs", "alarms.jsonl", "routing_report.json", "routing_report", "export_hf",
-             "reward_curve.png", "summary.json")  # fmt: skip
-# of those, what a run leaves (the model and data are remade the same way)
-RUN_OUTPUTS = RUN_FILES[3:]
-
-
-def model_path(extra: list[str], hf_dir: Path) -> Path:
-    """The model the local run trains: a pass-through actor_rollout_ref.model.path wins."""
-    given = [i.split("=", 1)[1] for i in extra if "=" in i and overrides.key_of(i) == MODEL_KEY]
-    return Path(given[-1]).expanduser() if given else hf_dir
-
-
-def model_config(model: Path, hf_dir: Path) -> dict:
-    """config.json of the model, or of the tiny model recipes.local.run.prepare will write."""
-    import json
-
-    if model == hf_dir and not (model / "config.json").is_file():
-        from recipes.local.run import tiny_hf_config
-
-        return tiny_hf_config()
-    if not (model / "config.json").is_file():
-        raise LaunchError(
-            f"{MODEL_KEY}={model} has no config.json: pass the HF checkpoint dir of a "
-            "Qwen3-MoE model (or drop it: the local run makes its tiny model)"
-        )
-    return json.loads((model / "config.json").read_text())
+BUILT_FILES = (*(f"{n}_hf" for n in BUILT), *(f".{n}_hf.partial" for n in BUILT), "data")
+# of those, what a run leaves (the models and data are remade the same way)
+RUN_OUTPUTS = ("checkpoints", "metrics", "tensorboard", "logs", "alarms.jsonl",
+               "routing_report.json", "routing_report", "export_hf", "reward_curve.png",
+               "summary.json")  # fmt: skip
+RUN_FILES = (*BUILT_FILES, *RUN_OUTPUTS)
 
 
 def model_fit(config: dict, nodes: int, per_node: int, **dims: int):
@@ -60,17 +39,21 @@ def model_fit(config: dict, nodes: int, per_node: int, **dims: int):
     return plan_for_model(load_qwen3_moe_spec(config), nodes, per_node, **dims)
 
 
-def check_rollout_model(model: Path, hf_dir: Path, config: dict) -> None:
-    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
+def check_rollout_model(model) -> None:
+    """The model the local run serves with vLLM's CPU backend (a local_model.LocalModel): its
+    limits, one line each; a tokenizer that does not load is one line too."""
     from recipes.local.cpu_limits import problems
     from recipes.local.overrides import ROLLOUT_TP
 
-    tokens = None
-    if model == hf_dir and not (model / "tokenizer.json").is_file():
-        from recipes.local.task import RESERVED, VOCAB
-
-        tokens = len(VOCAB) + len(RESERVED)  # the tokenizer prepare will write
-    found = problems(model, ROLLOUT_TP, config=config, tokens=tokens)
+    tokens = model.tokens if model.built else None  # a built one's tokenizer: the task's
+    try:
+        found = problems(model.path, ROLLOUT_TP, config=model.config, tokens=tokens)
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LaunchError(
+            f"{model.path}: its tokenizer does not load ({first}): save a tokenizer "
+            "transformers loads (AutoTokenizer.from_pretrained) with the model"
+        ) from None
     if found:
         raise LaunchError(found[0])
 

@@ -3,9 +3,9 @@
 `build_parser` and `split_argv`: the launcher's own flags, and the verl overrides after `--`.
 `resolve`: a cluster run (npu / cuda), checked against the model (parallel/), the model and
 data files, the reward its overrides configure; offload decided by the memory model.
-`resolve_local`: the embedded CPU run on the tiny model (recipes.local), or with
---ray-address the same tiny job on that running cluster, checked as recipes.dapo.local_checks
-says. Either way a `Resolved` (overrides by group, verl's command line), the pass-through
+`resolve_local`: the embedded CPU run on the model --model chose (recipes.dapo.local_model:
+tiny, mini or the user's directory), or with --ray-address the same job on that running
+cluster, checked as recipes.dapo.local_checks says. Either way a `Resolved` (overrides by group, verl's command line), the pass-through
 overrides checked against verl's config (recipes.dapo.verl_schema), nothing started or
 written; misuse raises LaunchError with one line.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser
-from recipes.dapo import check_actor_cp, cluster, data, dry_run, overrides
+from recipes.dapo import check_actor_cp, cluster, data, dry_run, local_model, overrides
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.verl_schema import check_overrides
 
@@ -25,7 +25,7 @@ DESCRIPTION = (
     "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.dapo.launch`)."
 )
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
-CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "skew_from")
+CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: this machine's accelerator, else cpu (the local run)",
     )
-    p.add_argument("--model", help="HF checkpoint dir of Qwen3-30B-A3B (config.json + safetensors)")
+    p.add_argument("--model", metavar="tiny|mini|DIR", help=local_model.FLAG_HELP)
     p.add_argument(
         "--train-file", help=f"{data.TRAIN.filename} (scripts/prepare_data.py checks it)"
     )
@@ -95,12 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="show every line of verl, Ray and the workers (they always go to the run's log)",
     )
     local = p.add_argument_group(
-        "local run (CPU only; a cluster run takes verl overrides after --)"
+        "local run (CPU only; --model picks its model; a cluster run takes verl overrides after --)"
     )
     local.add_argument(
         "--steps", type=positive_int, default=None, help=f"training steps (default {LOCAL_STEPS})"
     )
-    local.add_argument("--seed", type=int, default=None, help="random seed of the tiny model")
+    local.add_argument(
+        "--seed", type=int, default=None, help="random seed of a built model (tiny, mini)"
+    )
     local.add_argument(
         "--resume",
         action="store_true",
@@ -117,6 +119,7 @@ class Resolved:
     groups: dict[str, dict]
     replaced: list[str]
     skew_lines: tuple[str, ...] = ()  # parallel.skew: verdict at the assumed EP skew, margin
+    model_line: str = ""  # the local run: which model it trains (local_model.LocalModel)
 
     @property
     def command(self) -> list[str]:
@@ -250,10 +253,11 @@ def _assumed_skew(report: str | None):
     return skew_from_report(report) if report else default_skew()
 
 
-def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
-    """The embedded run: the same overrides on the tiny model and task (recipes.local); with
-    --ray-address on that cluster's --nodes x --devices-per-node ranks. Checks only: nothing
-    is written (recipes.dapo.local_checks; the launch prepares the directory after them)."""
+def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.LocalModel]:
+    """The embedded run: the same overrides on the chosen model and the toy task
+    (recipes.local); with --ray-address on that cluster's --nodes x --devices-per-node ranks.
+    Checks only: nothing is written (recipes.dapo.local_checks; the launch prepares the
+    directory after them)."""
     from recipes.dapo import local_checks as checks
     from recipes.dapo.fit import Fit
     from recipes.local import run as local
@@ -263,20 +267,19 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
         raise LaunchError(
             f"{flags} configure a cluster run: add --device npu or cuda "
-            "(this machine has no accelerator; the local run uses the tiny model)"
+            "(this machine has no accelerator; the local run trains on the toy task)"
         )
     dims = {d: getattr(args, d) or 1 for d in CLUSTER_PLAN}
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
-    hf_dir, data_dir = out / "tiny_hf", out / "data"
-    model = checks.model_path(extra, hf_dir)
-    config = checks.model_config(model, hf_dir)
-    plan = checks.model_fit(config, *_local_layout(args, **dims), **dims).plan
+    data_dir = out / "data"
+    model = local_model.choose(args.model, extra, out)
+    plan = checks.model_fit(model.config, *_local_layout(args, **dims), **dims).plan
     fresh = not args.resume and checks.earlier_run(out)  # the launch moves that run aside
     # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
     # so verl's offload/onload calls run between rollout and update here too
     fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.RunSpec(
-        "cpu", plan, fit, str(hf_dir), str(data_dir / "train.parquet"),
+        "cpu", plan, fit, str(model.path), str(data_dir / "train.parquet"),
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
     )  # fmt: skip
@@ -284,10 +287,11 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     groups = overrides.name_the_run(groups)
-    checks.check_rollout_model(model, hf_dir, config)
+    checks.check_rollout_model(model)
     if args.resume:
         checks.check_resume(groups, out)
-    return Resolved(run, None, groups, replaced), out, hf_dir
+    resolved = Resolved(run, None, groups, replaced, model_line=model.describe())
+    return resolved, out, model
 
 
 def _local_layout(args, tp: int, ep: int, pp: int, etp: int, cp: int) -> tuple[int, int]:
