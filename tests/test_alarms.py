@@ -277,3 +277,17 @@ def test_the_same_fraction_of_experts_is_not_the_same_concentration():
         True,
         False,
     ]
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+def test_a_level_hovering_at_its_limit_is_one_alarm_until_it_clears(shape):
+    """The main job's layers sat at 85% +- 2% (5-step means) and fired each time they crossed
+    back over 85%: five routing alarms in 35 steps for two layers. A level episode now ends
+    only `routing_level_clear` below its limit; a real recovery and relapse fires again."""
+    hover = [hot_expert(*shape, share) for share in (0.9, 0.8, 0.9, 0.8, 0.9, 0.8, 0.9)]
+    smooth1 = AlarmRules(smooth=1)  # each step's level alone, so the shares above are the levels
+    assert [a.step for a in run(shape, hover, smooth1).fired] == [1]
+    relapse = hover + [hot_expert(*shape, 0.6)] + [hot_expert(*shape, 0.9)]
+    assert [a.step for a in run(shape, relapse, smooth1).fired] == [1, 9]
+    no_clear = AlarmRules(smooth=1, routing_level_clear=1e-9)  # the old behaviour
+    assert [a.step for a in run(shape, hover, no_clear).fired] == [1, 3, 5, 7]

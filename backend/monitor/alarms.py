@@ -67,7 +67,7 @@ CAUSES = {
     "coeff, docs/aux_loss.md); it often comes with a policy entropy collapse",
     "val_stale": "stale data (off-policy rollouts) or overfitting to the training prompts",
 }
-ROUTING_SHARES = ("routing_hot_share_max", "routing_concentration_max",
+ROUTING_SHARES = ("routing_hot_share_max", "routing_concentration_max", "routing_level_clear",
                   "routing_concentration_rise", "routing_dead_rise")  # fmt: skip
 KEEP = object()  # a rule's answer for a step that says nothing either way (no validation)
 
@@ -82,7 +82,10 @@ class AlarmRules:
     concentration_max 0.5, the load's entropy that of an even load on sqrt(E K) experts (4 of
     8, 32 of 128); concentration_rise 0.25, a quarter of the way from even to all on K in
     routing_window steps (the old normalised-entropy drop of 0.15 is 0.22 at 8 top-2, 0.26
-    at 128 top-8); dead_rise 0.15 of E, 1.2 of 8 or 19 of 128 experts newly without tokens."""
+    at 128 top-8); dead_rise 0.15 of E, 1.2 of 8 or 19 of 128 experts newly without tokens.
+    level_clear 0.1: a level episode ends only once its share is that far below its limit
+    (hot share under 75%, concentration under 0.4), so a level hovering at its limit is one
+    alarm, not one each time it crosses (the toy run's layers sat at 85% +- 2%)."""
 
     entropy_floor: float = 0.05
     entropy_drop: float = 0.5
@@ -95,6 +98,7 @@ class AlarmRules:
     grad_norm_min_steps: int = 5
     routing_hot_share_max: float = 0.85
     routing_concentration_max: float = 0.5
+    routing_level_clear: float = 0.1
     routing_window: int = 10
     routing_concentration_rise: float = 0.25
     routing_dead_rise: float = 0.15
@@ -275,11 +279,13 @@ class HealthAlarms:
 
     def _routing_layer(self, step: int, layer: int, values: dict[str, float], shape):
         r = self.rules
+        alarm_id = f"routing/layer_{layer}"
+        ongoing = alarm_id in self._active
         found = []  # (metric, what it says, measured, threshold)
         for name, value in values.items():
             series = self._add(f"routing/{layer}/{name}", step, value)
-            found += self._routing_level(name, series, shape) + self._routing_rise(name, series)
-        alarm_id = f"routing/layer_{layer}"
+            found += self._routing_level(name, series, shape, ongoing)
+            found += self._routing_rise(name, series)
         if not found:
             return alarm_id, None
         text = f"layer {layer} routing is concentrated: " + "; ".join(f[1] for f in found)
@@ -288,12 +294,13 @@ class HealthAlarms:
         return alarm_id, self._alarm("routing", step, text, cause, layer=layer, metric=name,
                                      measured=measured, threshold=limit)  # fmt: skip
 
-    def _routing_level(self, name: str, series: _Series, shape) -> list[tuple]:
+    def _routing_level(self, name: str, series: _Series, shape, ongoing: bool) -> list[tuple]:
+        """A level over its limit; in an ongoing episode, one not yet `level_clear` below it."""
         r, (num_experts, top_k) = self.rules, shape
         limits = {"hot_share": r.routing_hot_share_max,
                   "concentration": r.routing_concentration_max}  # fmt: skip
         level, n = series.recent(r.smooth), min(r.smooth, len(series.values))
-        if name not in limits or level <= limits[name]:
+        if name not in limits or level <= limits[name] - r.routing_level_clear * ongoing:
             return []
         over, limit = f"over {n} step{'s' * (n > 1)}", limits[name]
         if name == "hot_share":
