@@ -20,6 +20,7 @@ from verl.utils.logger.aggregate_logger import concat_dict_to_str
 from backend.monitor.alarms import AlarmRules, HealthAlarms
 from recipes.dapo import cluster
 from recipes.dapo.console import Console, clean, open_console, parse_step, step_line, warning_text
+from recipes.dapo.step_line import LEGEND
 from recipes.local.overrides import TOY_ALARMS
 from tests.test_alarms import TINY_SHAPE
 
@@ -221,10 +222,11 @@ def test_the_childs_own_traceback_is_held_then_shown_in_full(tmp_path, monkeypat
     monkeypatch.setattr(tracebacks, "HOLD_S", 0.0)
     con.tick()
     shown = out.getvalue().splitlines()
-    assert shown[1:4] == own and shown[4].startswith("[....................]  1/35 | reward")
-    assert "target_num_threads 8" in shown[5] and len(shown) == 6
+    assert shown[1:4] == own and shown[4] == LEGEND  # before the first step line
+    assert shown[5].startswith("[....................]  1/35 | reward")
+    assert "target_num_threads 8" in shown[6] and len(shown) == 7
     con.child_done(0)
-    assert "Traceback" not in "".join(out.getvalue().splitlines()[6:])
+    assert "Traceback" not in "".join(out.getvalue().splitlines()[7:])
 
 
 class Terminal(io.StringIO):
@@ -242,5 +244,6 @@ def test_a_terminal_gets_a_status_line_that_the_next_line_clears(tmp_path):
     )
     con.feed(verl_step_lines()[1] + "\n")
     after = con.out.getvalue()[len(status) :]
-    assert after.startswith("\r\x1b[K[....................]  1/35 | ")  # cleared, then the step
+    # cleared, then the legend (the first step line's) and the step
+    assert after.startswith(f"\r\x1b[K{LEGEND}\n[....................]  1/35 | ")
     assert "\r" not in con.log_path.read_text()

@@ -44,8 +44,8 @@ from recipes.dapo.resolution import (
 
 
 def run(args, extra: list[str]) -> int:
+    t0 = launched_at()  # the run's wall time and start-up lines count from here
     device = pick_device(args.device)
-    t0 = time.perf_counter()
     if device == "cpu":
         resolved, out, model = resolve_local(args, extra)
     else:
@@ -70,7 +70,23 @@ def run(args, extra: list[str]) -> int:
 
         return run_local(resolved, out, t0, verbose=args.verbose, debug=args.debug,
                          watch=watch)  # fmt: skip
-    return run_cluster(resolved, args.verbose, args.debug, watch)
+    return run_cluster(resolved, args.verbose, args.debug, watch, started=t0)
+
+
+def launched_at() -> float:
+    """When this process started, on time.perf_counter's clock (Linux: /proc/self/stat's
+    start time against /proc/uptime), so that the wall time includes Python's start and the
+    launcher's imports; now where that is not known."""
+    import os
+
+    now = time.perf_counter()
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - min(max(age, 0.0), 3600.0)
 
 
 def prepare_local(out: Path, args, model: str) -> None:
@@ -84,16 +100,19 @@ def prepare_local(out: Path, args, model: str) -> None:
     prepare(out, seed=args.seed or 0, model=model)
 
 
-def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None) -> int:
+def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None,
+                started: float | None = None) -> int:  # fmt: skip
     """verl's entry point through the console, watching the cluster's nodes (`watch`,
     recipes.dapo.lost_node); then the routing report with the alarms. A checkpoint the engine
-    refused raises its CheckpointError (recipes.dapo.cluster)."""
+    refused raises its CheckpointError (recipes.dapo.cluster). started: the launcher's start
+    (launched_at), whence the console's start-up lines count."""
     from recipes.dapo.console import next_index, open_console
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
 
     run_dir = Path(resolved.run.ckpt_dir)
     console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
-                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug)  # fmt: skip
+                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug,
+                           device=resolved.run.device, started=started)  # fmt: skip
     try:
         console.header(resolved.describe())
         code = cluster.run_command(resolved.command, resolved.run.env, console, watch)

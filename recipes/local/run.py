@@ -135,7 +135,9 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     """verl's trainer through the launcher's console (recipes.dapo.console), then finish on
     the model it trained (`trained_model`: the built one, or the user's directory). A
     checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster). watch: a
-    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address)."""
+    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
+    start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
+    console's start-up lines count from it."""
     from backend.monitor.alarms import AlarmRules
     from recipes.dapo.cluster import run_command
     from recipes.dapo.console import open_console
@@ -145,7 +147,8 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     env = resolved.run.env
     index = int(Path(env["VERL_FILE_LOGGER_PATH"]).stem.removeprefix("launch_"))
     console = open_console(out, index, verbose, resolved.run.steps, env["TENSORBOARD_DIR"],
-                           AlarmRules(**TOY_ALARMS), debug=debug)  # fmt: skip
+                           AlarmRules(**TOY_ALARMS), debug=debug, device="cpu",
+                           started=t0)  # fmt: skip
     try:
         console.header(resolved.describe())
         code = run_command(resolved.command, env, console, watch)

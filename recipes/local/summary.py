@@ -36,7 +36,7 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
 def comm_share_summary(history: list[dict], world: int = 1) -> dict:
     """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
     is over 30% (backend.comm_share.comm_share_warning, the steps' mean seconds as its parts; the
-    advice for one node of `world` ranks)."""
+    advice for one CPU box of `world` ranks: gloo named as the cause)."""
     from backend.comm_share import CommLayout, comm_share_warning
 
     rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
@@ -44,7 +44,7 @@ def comm_share_summary(history: list[dict], world: int = 1) -> dict:
         return {}
     keys = {k for r in rows for k in r if k.startswith(ACTOR_TIMING)}
     means = {k.removeprefix("actor/"): sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-    warning = comm_share_warning(rows[-1]["step"], means, layout=CommLayout(world))
+    warning = comm_share_warning(rows[-1]["step"], means, layout=CommLayout(world, device="cpu"))
     return {
         "comm_share_mean": round(means["timing/comm_share"], 4),
         "comm_share_warning": warning.line() if warning else None,
