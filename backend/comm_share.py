@@ -45,11 +45,21 @@ def add_steps(total: dict[str, float], step: dict[str, float]) -> dict[str, floa
 class CommLayout:
     """Where the job's ranks are: what the communication advice depends on.
 
-    spanning: the parallel groups (e.g. "tp", "ep") whose ranks are on more than one node."""
+    spanning: the parallel groups (e.g. "tp", "ep") whose ranks are on more than one node;
+    device: "cpu" for gloo between processes of one box, whose share is its own."""
 
     world: int
     nodes: int = 1
     spanning: tuple[str, ...] = ()
+    device: str = ""
+
+    def cause(self) -> str | None:
+        """What makes the share high when it is the layout itself, not the job: gloo on one
+        box (device cpu, several ranks); None otherwise."""
+        if self.device == "cpu" and self.world > 1 and self.nodes == 1:
+            return ("the cause on one box is gloo on CPU (collectives through host memory and "
+                    "sockets); it does not predict a cluster's NCCL/HCCL share")  # fmt: skip
+        return None
 
     def advice(self) -> str:
         if self.spanning:
@@ -77,13 +87,15 @@ def comm_layout(groups) -> CommLayout:
         name for name in ("tp", "ep", "etp")
         if len({hosts[r] for r in dist.get_process_group_ranks(getattr(groups, name))}) > 1
     )  # fmt: skip
-    return CommLayout(world, len(set(hosts)), spanning)
+    device = "cpu" if dist.get_backend(groups.world) == "gloo" else ""
+    return CommLayout(world, len(set(hosts)), spanning, device)
 
 
 def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = COMM_SHARE_WARN,
                        layout: CommLayout | None = None):  # fmt: skip
     """A RunWarning when timing/comm_share is above `threshold`, else None; its advice follows
-    `layout` (nodes spanned or not), or is the general one without it.
+    `layout` (nodes spanned or not; gloo on one box names itself as the cause), or is the general
+    one without it.
 
     For the run summary pass `timer.run_metrics()`; for the routing report hand the result
     to `ExpertLoadMonitor.add_warning`."""
@@ -96,9 +108,11 @@ def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = 
         f"{name} {metrics.get(f'{PREFIX}/{name}_s', 0.0):.3g}s" for name in COMM_SECTIONS
     )
     advice = layout.advice() if layout else "keep EP and TP inside a node, overlap grad reduction"
+    cause = layout.cause() if layout else None
     text = (
         f"communication takes {share:.0%} of the step (over {threshold:.0%}): {parts} of "
-        f"{metrics.get(f'{PREFIX}/step_s', 0.0):.3g}s; fix communication first ({advice})"
+        f"{metrics.get(f'{PREFIX}/step_s', 0.0):.3g}s; "
+        + (cause if cause else f"fix communication first ({advice})")
     )
     return RunWarning("comm_share", step, text, {"comm_share": share, "threshold": threshold})
 

@@ -30,6 +30,10 @@ from backend.distributed import ProcessGroups
 from backend.router_replay import AgreementMeter, RouteRecorder, route_dtype
 
 logger = logging.getLogger(__name__)
+# the engine's configuration, at INFO whatever the root's level (verl sets WARNING): a
+# `mcore_ep: config: ...` line, which the launcher's console shows as configuration
+config_logger = logging.getLogger(f"{__name__}.config")
+config_logger.setLevel(logging.INFO)
 REPLAY_MODES = ("disabled", "R2", "R3")
 DP_REDUCTIONS = ("mean", "sum")
 
@@ -84,7 +88,7 @@ class RouterInstruments:
         self.tap.add_listener(self.update_match)
         self.tap.add_listener(self.recorder)
         if replay != "disabled":
-            logger.warning("mcore_ep: router replay %s", replay)
+            config_logger.info("mcore_ep: config: router replay %s", replay)
         want_monitor = bool(monitor.get("enable"))
         want_aux = aux_loss.get("mode", "off") != "off"
         if not (want_monitor or want_aux):
@@ -99,7 +103,7 @@ class RouterInstruments:
             self.hook = mcore_aux_loss(
                 module, self.tap, config, groups, grad_scale=self.aux_grad_scale
             )
-            logger.warning("mcore_ep: %s", config.describe())
+            config_logger.info("mcore_ep: config: %s", config.describe())
 
     @property
     def needs_counting_pass(self) -> bool:

@@ -17,44 +17,10 @@ import pickle
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Case:
-    cli: str  # converters | parallel | launcher | ray_node | monitor | resolve
-    what: str
-    setup: Callable  # ctx -> argv
-    code: int
-    message: str
-    stream: str = "err"
-    # ctx -> Python source run as the launcher's training child (the real run_command and
-    # output handling; a stand-in for verl's trainer that runs the engine's own check)
-    child: Callable | None = None
-
-
-@dataclass
-class Ctx:
-    tmp: Path
-    hf: Path
-    mcore: Path
-
-    def copy(self, src: Path, name: str, drop: str | None = None) -> Path:
-        ignore = shutil.ignore_patterns(drop) if drop else None
-        return Path(shutil.copytree(src, self.tmp / name, ignore=ignore))
-
-    def edit_json(self, path: Path, **changes) -> Path:
-        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-        return path
-
-    def flip(self, path: Path, at: int, count: int = 16) -> Path:
-        raw = bytearray(path.read_bytes())
-        for i in range(at, at + count):
-            raw[i] ^= 0xFF
-        path.write_bytes(bytes(raw))
-        return path
+from tests.bad_input_case import Case, Ctx
+from tests.bad_inputs_model import LOCAL_MODEL
 
 
 def _m2h(ckpt, ctx: Ctx, *flags) -> list:
@@ -78,6 +44,11 @@ def _chunk_offset(ctx: Ctx) -> int:
     return max(chunks, key=lambda c: c[1])[
         0
     ]  # the biggest chunk (a tensor)'s first byte: its zip header
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 def _truncate(path: Path, keep: int) -> Path:
@@ -603,6 +574,100 @@ PLANNER = [
     ),
     Case(
         "launcher",
+        "local run: --tp 3 (the tiny model's 2 kv heads; Ray not started, nothing written)",
+        lambda c: ["--device", "cpu", "--tp", "3", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: tp=3 does not divide num_key_value_heads=2: legal tp for this model: 1, 2",
+    ),
+    Case(
+        "launcher",
+        "local run: --ep 5 (8 experts)",
+        lambda c: ["--device", "cpu", "--ep", "5", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: ep=5 does not divide num_experts=8: legal ep for this model: 1, 2, 4, 8",
+    ),
+    Case(
+        "launcher",
+        "local run: --etp 3 (expert slices of 32)",
+        lambda c: ["--device", "cpu", "--etp", "3", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: etp=3 does not divide moe_intermediate_size=32: legal etp for this model: 1, 2",
+    ),
+    Case(
+        "launcher",
+        "local run: --pp 3 (2 layers)",
+        lambda c: ["--device", "cpu", "--pp", "3", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: pp=3 does not divide num_hidden_layers=2: legal pp for this model: 1, 2 (or set "
+        "first/last stage layers)",
+    ),
+    Case(
+        "launcher",
+        "local run: --cp 2",
+        lambda c: ["--device", "cpu", "--cp", "2", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: cp=2: the mcore_ep actor runs cp=1; scale with --tp, --pp and --ep (python -m "
+        "parallel --auto)",
+    ),
+    Case(
+        "launcher",
+        "--steps 0 (not a 35-step run)",
+        lambda c: ["--device", "cpu", "--steps", "0", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: scripts/train_mcore.sh: argument --steps: '0' is not a positive integer; see "
+        "scripts/train_mcore.sh --help",
+    ),
+    Case(
+        "launcher",
+        "--steps -1",
+        lambda c: ["--device", "cpu", "--steps", "-1", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: scripts/train_mcore.sh: argument --steps: '-1' is not a positive integer; see "
+        "scripts/train_mcore.sh --help",
+    ),
+    Case(
+        "launcher",
+        "--resume with nothing to resume (an empty directory)",
+        lambda c: ["--device", "cpu", "--resume", "--ckpt-dir", _mkdir(c.tmp / "run")],
+        2,
+        "error: --resume: {tmp}/run/checkpoints holds no checkpoint to continue: drop --resume "
+        "to start a new run in {tmp}/run, or pass the --ckpt-dir of the run to continue",
+    ),
+    Case(
+        "launcher",
+        "local run: a pass-through override verl's config has no key for",
+        lambda c: ["--device", "cpu", "--ckpt-dir", c.tmp / "out", "--", "not_a_key=1"],
+        2,
+        "error: -- not_a_key=1: verl's config (ppo_trainer) has no key not_a_key: the nearest is "
+        "data.video_key; a new key is added with +not_a_key=1",
+    ),
+    Case(
+        "launcher",
+        "cluster run: a misspelt pass-through override",
+        lambda c: ["--device", "cuda", "--dry-run", "--", "trainer.totl_epochs=2"],
+        2,
+        "error: -- trainer.totl_epochs=2: verl's config (ppo_trainer) has no key "
+        "trainer.totl_epochs: the nearest is trainer.total_epochs; a new key is added with "
+        "+trainer.totl_epochs=2",
+    ),
+    Case(
+        "launcher",
+        "deleting a key verl's config lacks",
+        lambda c: ["--device", "cuda", "--dry-run", "--", "~trainer.total_epoch"],
+        2,
+        "error: -- ~trainer.total_epoch: verl's config (ppo_trainer) has no key "
+        "trainer.total_epoch: the nearest is trainer.total_epochs",
+    ),
+    Case(
+        "launcher",
+        "adding (+) a key verl's config has",
+        lambda c: ["--device", "cuda", "--dry-run", "--", "+trainer.total_epochs=2"],
+        2,
+        "error: -- +trainer.total_epochs=2: verl's config (ppo_trainer) already has "
+        "trainer.total_epochs: set it without the +, as trainer.total_epochs=2",
+    ),
+    Case(
+        "launcher",
         "a data_source verl's scorer does not know (gsm8k: verl's is openai/gsm8k)",
         _unscorable,
         2,
@@ -894,7 +959,7 @@ RAY_NODE = [
     ),
 ]
 
-CASES = CONVERTERS + PLANNER + RAY_NODE + MONITOR + RESOLVE
+CASES = CONVERTERS + PLANNER + LOCAL_MODEL + RAY_NODE + MONITOR + RESOLVE
 HEADER = """# Bad inputs tried per CLI
 
 Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the

@@ -20,7 +20,9 @@ from verl.utils.logger.aggregate_logger import concat_dict_to_str
 from backend.monitor.alarms import AlarmRules, HealthAlarms
 from recipes.dapo import cluster
 from recipes.dapo.console import Console, clean, open_console, parse_step, step_line, warning_text
+from recipes.dapo.step_line import LEGEND
 from recipes.local.overrides import TOY_ALARMS
+from tests.test_alarms import TINY_SHAPE
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -36,10 +38,12 @@ NOISE = [
 ]
 
 
-def verl_step_lines() -> list[str]:
-    """The recorded steps as verl's driver prints them (numpy scalars, as its metrics are)."""
+def verl_step_lines(shape: bool = False) -> list[str]:
+    """The recorded steps as verl's driver prints them (numpy scalars, as its metrics are);
+    `shape`: with the model's shape, which the monitor publishes since the recording."""
     rows = [json.loads(line) for line in STREAM.read_text().splitlines()]
-    return [RAY + concat_dict_to_str({k: np.float64(v) for k, v in row["data"].items()},
+    added = TINY_SHAPE if shape else {}
+    return [RAY + concat_dict_to_str({k: np.float64(v) for k, v in (row["data"] | added).items()},
                                      step=row["step"]) for row in rows]  # fmt: skip
 
 
@@ -76,7 +80,7 @@ def test_warnings_are_told_from_values_progress_bars_and_info():
 
 def test_one_line_per_step_each_warning_once_and_everything_in_the_log(tmp_path):
     con, out = console(tmp_path, total_steps=35, alarms=HealthAlarms(AlarmRules(**TOY_ALARMS)))
-    steps = verl_step_lines()
+    steps = verl_step_lines(shape=True)
     fed = ["(TaskRunnerV1 pid=1) INFO:x:Total training steps: 35", *NOISE, *[TQ] * 500]
     for i, line in enumerate(steps):
         fed += [line, *NOISE, TQ.replace("pid=6652", f"pid={i}")]
@@ -85,27 +89,34 @@ def test_one_line_per_step_each_warning_once_and_everything_in_the_log(tmp_path)
     con.child_done(0)
     shown = out.getvalue().splitlines()
     assert len(shown) < 60 and len(fed) == 721
+    alarms = [s for s in shown if s.startswith("ALARM")]  # the recorded run's routing, once each
+    assert [a.split(":")[0] for a in alarms] == [
+        "ALARM [routing] step 1",
+        "ALARM [routing] step 29",
+    ]
     step_rows = [s for s in shown if s.startswith("[")]
     assert len(step_rows) == 36 and step_rows[-1].startswith("[" + "#" * 20 + "] 35/35")
     assert "val 1 " in step_rows[-1] or "val 1 |" in step_rows[-1]
     tq = [s for s in shown if "target_num_threads" in s]
     assert len(tq) == 2 and tq[1].startswith("  536x ")  # shown once, then counted at the end
-    assert shown[-2:] == ["alarms: none", f"log: {con.log_path}"]
+    assert shown[-2:] == ["alarms: routing x2", f"log: {con.log_path}"]
     logged = con.log_path.read_text().splitlines()
     assert logged[: len(fed)] == fed  # every line, as it came, then every repeated warning
     assert logged[len(fed) :] == ["repeated warnings (1 of 1 distinct):", f"  536x {tq[0]}"]
 
 
 def test_the_compact_step_line_names_what_a_step_is_judged_by():
-    _, metrics = parse_step(clean(verl_step_lines()[25]))
+    _, metrics = parse_step(clean(verl_step_lines(shape=True)[25]))
     line = step_line(25, 35, metrics)
     assert line.startswith(
         "[##############......] 25/35 | reward 0.0156 | val 0.438 | entropy 0.689"
     )
     for part in ("ppo_kl 0.0144", "grad 1.61", "|dlogp| 0.0152", "agree 0.965",
-                 "route 3.97x L1", "ep 1.00x", "7.3s", "comm 1%"):  # fmt: skip
-        assert part in line, (part, line)
+                 "route 3.97x/4 L1", "ep 1.00x", "7.3s", "comm 1%"):  # fmt: skip
+        assert part in line, (part, line)  # route: layer 1's max/mean of the most, E/K = 8/2
     assert len(line) < 200
+    _, unshaped = parse_step(clean(verl_step_lines()[25]))  # a stream without E and K
+    assert "| route 3.97x L1 |" in step_line(25, 35, unshaped)
     assert step_line(0, None, {"val-aux/x/reward/mean@8": -1.9}) == "step 0 | val -1.9"
 
 
@@ -211,10 +222,11 @@ def test_the_childs_own_traceback_is_held_then_shown_in_full(tmp_path, monkeypat
     monkeypatch.setattr(tracebacks, "HOLD_S", 0.0)
     con.tick()
     shown = out.getvalue().splitlines()
-    assert shown[1:4] == own and shown[4].startswith("[....................]  1/35 | reward")
-    assert "target_num_threads 8" in shown[5] and len(shown) == 6
+    assert shown[1:4] == own and shown[4] == LEGEND  # before the first step line
+    assert shown[5].startswith("[....................]  1/35 | reward")
+    assert "target_num_threads 8" in shown[6] and len(shown) == 7
     con.child_done(0)
-    assert "Traceback" not in "".join(out.getvalue().splitlines()[6:])
+    assert "Traceback" not in "".join(out.getvalue().splitlines()[7:])
 
 
 class Terminal(io.StringIO):
@@ -232,5 +244,6 @@ def test_a_terminal_gets_a_status_line_that_the_next_line_clears(tmp_path):
     )
     con.feed(verl_step_lines()[1] + "\n")
     after = con.out.getvalue()[len(status) :]
-    assert after.startswith("\r\x1b[K[....................]  1/35 | ")  # cleared, then the step
+    # cleared, then the legend (the first step line's) and the step
+    assert after.startswith(f"\r\x1b[K{LEGEND}\n[....................]  1/35 | ")
     assert "\r" not in con.log_path.read_text()

@@ -79,3 +79,20 @@ def test_jensen_shannon_by_hand():
     kl_qm = 0.5 * math.log2(0.5 / 0.75) + 0.5 * math.log2(0.5 / 0.25)
     half = jensen_shannon_L(torch.tensor([[4, 0]]), torch.tensor([[3, 3]]))
     assert half.item() == pytest.approx((kl_pm + kl_qm) / 2)
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(8, 2), (128, 8)])
+def test_shape_free_forms_span_even_to_collapsed_at_any_shape(num_experts, top_k):
+    """0 .. 1 from an even load to all of it on top_k experts, at the tiny model's shape and
+    Qwen3-30B-A3B's: a form normalised by E alone would leave a collapse at log K / log E."""
+    even = torch.ones(1, num_experts)
+    on_k = torch.zeros(1, num_experts)
+    on_k[0, :top_k] = 1.0
+    for counts, expected in ((even, 0.0), (on_k, 1.0)):
+        entropy = m.entropy_L(counts).item()
+        assert m.concentration(entropy, num_experts, top_k) == pytest.approx(expected, abs=1e-12)
+        hot = m.hot_share(m.max_over_mean_L(counts).item(), num_experts, top_k)
+        assert hot == pytest.approx(top_k / num_experts if expected == 0 else 1.0)
+    assert m.experts_in_use(0.5, num_experts, top_k) == pytest.approx(
+        math.sqrt(num_experts * top_k)
+    )

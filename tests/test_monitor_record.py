@@ -58,6 +58,8 @@ def test_step_end_metrics_cumulative_and_windows():
     assert metrics["moe/update/layer_0/max_over_mean"] == 1.5  # 3 2 2 1 over mean 2
     assert metrics["moe/update/layer_1/dead"] == 2.0
     assert metrics["moe/update/tokens"] == 4.0
+    # the shape the run-health alarms read the per-layer metrics by (backend.monitor.alarms)
+    assert metrics["moe/num_experts"] == 4.0 and metrics["moe/top_k"] == 2.0
     assert metrics["moe/update/cumulative/assignments"] == 3 * 16
     assert metrics["moe/aux_loss"] == 0.25
     assert not any(k.startswith("moe/ref/") for k in metrics)  # no ref pass, no ref metrics

@@ -97,7 +97,20 @@ def test_comm_share_advice_follows_the_layout(world1):
             advice(one_node)
         )
     assert "one rank, no collective" in advice(CommLayout(1))
-    assert comm_layout(world1) == CommLayout(1, 1, ())
+    assert comm_layout(world1) == CommLayout(1, 1, (), "cpu")  # gloo: a CPU box
+
+
+def test_comm_share_on_one_cpu_box_names_gloo_as_the_cause():
+    """Catches a 2-rank CPU run told to "fix communication first", as if its gloo share on one
+    box said something about a cluster's NCCL/HCCL one."""
+    metrics = {"timing/step_s": 10.0, "timing/grad_reduce_s": 3.6}
+    text = comm_share_warning(4, metrics, layout=CommLayout(2, device="cpu")).text
+    assert "communication takes 36%" in text and "gloo on CPU" in text
+    assert "does not predict a cluster's NCCL/HCCL share" in text
+    assert "fix communication first" not in text
+    # one CPU rank has no collective (its own advice); a cluster's box is not gloo's
+    assert "gloo" not in comm_share_warning(4, metrics, layout=CommLayout(1, device="cpu")).text
+    assert "fix communication first" in comm_share_warning(4, metrics, layout=CommLayout(2)).text
 
 
 def test_misuse_is_refused_and_disabled_timer_is_silent():

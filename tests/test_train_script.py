@@ -432,7 +432,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
-    _fails_with_one_line(capsys, ["--model", "/x"], "--model configure a cluster run")
+    _fails_with_one_line(capsys, ["--train-file", "/x"], "--train-file configure a cluster run")
 
 
 def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, monkeypatch):
@@ -528,7 +528,9 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
     assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     capsys.readouterr()
     _fails_with_one_line(
-        capsys, ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"], "--pp 3 does not divide"
+        capsys,
+        ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"],
+        "pp=3 does not divide num_hidden_layers=2: legal pp for this model: 1, 2",
     )
 
 

@@ -19,9 +19,16 @@ Rules (names of AlarmRules fields in brackets):
   (actor/rollout_logprob_abs_diff/mean) above [mismatch_max];
 - grad_norm: actor/grad_norm above [grad_norm_factor] x the median of the previous
   [grad_norm_window] steps' (once [grad_norm_min_steps] steps are there);
-- routing: per layer of the update pass, means of [smooth] steps [routing_window] steps
-  apart: normalised expert entropy down by more than [routing_entropy_drop], top-10 share up
-  by more than [routing_top10_rise], or dead experts up by at least [routing_dead_rise];
+- routing: per layer of the update pass, on the monitor's metrics made shape-free by the
+  model's E experts and top-k K (moe/num_experts, moe/top_k; backend.monitor.metrics), so one
+  value means the same at 8 experts top-2 and 128 top-8. A level, on the mean of the last
+  [smooth] steps (a run's first step alone): the busiest expert picked by more than
+  [routing_hot_share_max] of the tokens, or a load concentration (0 even, 1 all on K experts)
+  above [routing_concentration_max]. A drop, means of [smooth] steps [routing_window] steps
+  apart: concentration up by more than [routing_concentration_rise], or dead experts up by
+  more than [routing_dead_rise] of E. Up to trainer step [routing_window] the cause line
+  reads it as the router as it came, later as training's doing. A stream without E and K
+  (recorded before the monitor published them) is not checked for routing;
 - val_stale: between the last [val_window] + 1 validations the validation reward moved by
   less than [val_flat] while the training score (critic/score/mean, mean of [smooth] steps)
   rose by more than [score_rise].
@@ -34,12 +41,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from backend.monitor.alerts import RunWarning
+from backend.monitor.metrics import concentration, experts_in_use, hot_share
 
 ENTROPY, KL_LOSS, PPO_KL, GRAD_NORM = "entropy", "kl_loss", "ppo_kl", "grad_norm"
 MISMATCH = "rollout_logprob_abs_diff/mean"
 SCORE = "critic/score/mean"
 VAL_REWARD = re.compile(r"^val-(?:core|aux)/[^/]+/reward/mean@\d+$")
-ROUTING = re.compile(r"^(?:actor/)?moe/update/layer_(\d+)/(entropy|top10_share|dead)$")
+ROUTING = re.compile(r"^(?:actor/)?moe/update/layer_(\d+)/(entropy|max_over_mean|dead)$")
+NUM_EXPERTS, TOP_K = "moe/num_experts", "moe/top_k"
 GUARD = "mcore_ep.guards"  # where the opt-in entropy floor and adaptive KL live
 CAUSES = {
     "entropy": "entropy collapse: lr too high, clip_ratio_high too low, too many updates per "
@@ -50,16 +59,33 @@ CAUSES = {
     "mismatch": "rollout and actor disagree: a stale or partial weight sync, rollout dtype "
     "(bf16) or kernels, routing differences (mcore_ep.router_replay R2/R3)",
     "grad_norm": "a batch unlike the others (lengths, rewards), lr too high, a loss spike",
-    "routing": "routing concentrates on few experts: aux loss off or too weak; late in a run "
-    "it comes with entropy collapse",
+    "routing_start": "at a run's start, the router as it came: near-identical prompts give its "
+    "inputs one direction, which a random router sends to the same experts (a pretrained one "
+    "should not: check the router weights were converted); a stronger aux loss spreads it "
+    "(mcore_ep.aux_loss coeff, docs/aux_loss.md); held past the first steps it is a collapse",
+    "routing": "training concentrated the routing: aux loss off or too weak (mcore_ep.aux_loss "
+    "coeff, docs/aux_loss.md); it often comes with a policy entropy collapse",
     "val_stale": "stale data (off-policy rollouts) or overfitting to the training prompts",
 }
+ROUTING_SHARES = ("routing_hot_share_max", "routing_concentration_max", "routing_level_clear",
+                  "routing_concentration_rise", "routing_dead_rise")  # fmt: skip
 KEEP = object()  # a rule's answer for a step that says nothing either way (no validation)
 
 
 @dataclass(frozen=True)
 class AlarmRules:
-    """Thresholds of the run-health alarms (module doc), defaults for a DAPO run."""
+    """Thresholds of the run-health alarms (module doc), defaults for a DAPO run.
+
+    The routing values are shares (backend.monitor.metrics), the same at any E experts and
+    top-k K: hot_share_max 0.85, the busiest expert in the top-k of 85% of the tokens (max/mean
+    3.4 of 4 at 8 experts top-2, 13.6 of 16 at 128 top-8; even routing is K/E, 25% and 6%);
+    concentration_max 0.5, the load's entropy that of an even load on sqrt(E K) experts (4 of
+    8, 32 of 128); concentration_rise 0.25, a quarter of the way from even to all on K in
+    routing_window steps (the old normalised-entropy drop of 0.15 is 0.22 at 8 top-2, 0.26
+    at 128 top-8); dead_rise 0.15 of E, 1.2 of 8 or 19 of 128 experts newly without tokens.
+    level_clear 0.1: a level episode ends only once its share is that far below its limit
+    (hot share under 75%, concentration under 0.4), so a level hovering at its limit is one
+    alarm, not one each time it crosses (the toy run's layers sat at 85% +- 2%)."""
 
     entropy_floor: float = 0.05
     entropy_drop: float = 0.5
@@ -70,10 +96,12 @@ class AlarmRules:
     grad_norm_factor: float = 5.0
     grad_norm_window: int = 20
     grad_norm_min_steps: int = 5
+    routing_hot_share_max: float = 0.85
+    routing_concentration_max: float = 0.5
+    routing_level_clear: float = 0.1
     routing_window: int = 10
-    routing_entropy_drop: float = 0.15
-    routing_top10_rise: float = 0.15
-    routing_dead_rise: float = 3.0
+    routing_concentration_rise: float = 0.25
+    routing_dead_rise: float = 0.15
     val_window: int = 2
     val_flat: float = 0.02
     score_rise: float = 0.3
@@ -86,8 +114,9 @@ class AlarmRules:
                 raise ValueError(f"AlarmRules.{f.name}={value} must be a whole number >= 1")
             if f.type is float and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"AlarmRules.{f.name}={value} must be a positive number")
-        if self.entropy_drop >= 1:
-            raise ValueError(f"AlarmRules.entropy_drop={self.entropy_drop}: a fraction below 1")
+        for name in ("entropy_drop", *ROUTING_SHARES):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"AlarmRules.{name}={getattr(self, name)}: a fraction below 1")
 
 
 def lookup(metrics: Mapping[str, float], name: str) -> float | None:
@@ -105,6 +134,15 @@ def val_reward(metrics: Mapping[str, float]) -> float | None:
     return float(metrics[keys[0]]) if keys else None
 
 
+def shape_free(values: Mapping[str, float], num_experts: float, top_k: float) -> dict:
+    """A layer's monitor metrics (entropy, max_over_mean, dead) -> concentration, hot_share,
+    dead_share: 0 .. 1 at any E and K (backend.monitor.metrics)."""
+    forms = {"entropy": ("concentration", concentration),
+             "max_over_mean": ("hot_share", hot_share),
+             "dead": ("dead_share", lambda dead, e, _: dead / e)}  # fmt: skip
+    return {forms[k][0]: forms[k][1](v, num_experts, top_k) for k, v in values.items()}
+
+
 class _Series:
     """One metric's values at the steps that logged it."""
 
@@ -120,6 +158,10 @@ class _Series:
         """Mean of the n values ending `back` values before the last, None if too few."""
         end = len(self.values) - back
         return statistics.fmean(self.values[end - n : end]) if end - n >= 0 else None
+
+    def recent(self, n: int) -> float:
+        """Mean of the last n values, or of all there are."""
+        return statistics.fmean(self.values[-n:])
 
     def mean_until(self, step: int, n: int) -> float | None:
         """Mean of the n values logged at or before `step`, None if there are none."""
@@ -224,41 +266,66 @@ class HealthAlarms:
                                         threshold=r.grad_norm_factor * median)  # fmt: skip
 
     def _routing(self, step, metrics):
+        num_experts, top_k = lookup(metrics, NUM_EXPERTS), lookup(metrics, TOP_K)
+        if num_experts is None or top_k is None or not 1 <= top_k < num_experts:
+            return []
         per_layer: dict[int, dict[str, float]] = {}
         for key, value in metrics.items():
             if (m := ROUTING.match(key)) and math.isfinite(float(value)):
                 per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = float(value)
-        return [self._routing_layer(step, layer, values)
+        shape = (num_experts, top_k)
+        return [self._routing_layer(step, layer, shape_free(values, *shape), shape)
                 for layer, values in sorted(per_layer.items())]  # fmt: skip
 
-    def _routing_layer(self, step: int, layer: int, values: dict[str, float]):
+    def _routing_layer(self, step: int, layer: int, values: dict[str, float], shape):
         r = self.rules
-        moved = []
+        alarm_id = f"routing/layer_{layer}"
+        ongoing = alarm_id in self._active
+        found = []  # (metric, what it says, measured, threshold)
         for name, value in values.items():
             series = self._add(f"routing/{layer}/{name}", step, value)
-            now, before = series.mean(r.smooth), series.mean(r.smooth, back=r.routing_window)
-            if before is not None and self._concentrates(name, now - before):
-                moved.append((name, before, now))
-        alarm_id = f"routing/layer_{layer}"
-        if not moved:
+            found += self._routing_level(name, series, shape, ongoing)
+            found += self._routing_rise(name, series)
+        if not found:
             return alarm_id, None
-        parts = ", ".join(f"{name} {a:.3g} -> {b:.3g}" for name, a, b in moved)
-        limits = (f"limits: entropy -{r.routing_entropy_drop:g}, top10_share "
-                  f"+{r.routing_top10_rise:g}, dead +{r.routing_dead_rise:g}")  # fmt: skip
-        text = (
-            f"layer {layer} routing concentrates over {r.routing_window} steps: {parts} ({limits})"
-        )
-        name, before, now = moved[0]
-        return alarm_id, self._alarm("routing", step, text, "routing", layer=layer, metric=name,
-                                     measured=now - before)  # fmt: skip
+        text = f"layer {layer} routing is concentrated: " + "; ".join(f[1] for f in found)
+        cause = "routing_start" if step <= r.routing_window else "routing"
+        name, _, measured, limit = found[0]
+        return alarm_id, self._alarm("routing", step, text, cause, layer=layer, metric=name,
+                                     measured=measured, threshold=limit)  # fmt: skip
 
-    def _concentrates(self, name: str, change: float) -> bool:
+    def _routing_level(self, name: str, series: _Series, shape, ongoing: bool) -> list[tuple]:
+        """A level over its limit; in an ongoing episode, one not yet `level_clear` below it."""
+        r, (num_experts, top_k) = self.rules, shape
+        limits = {"hot_share": r.routing_hot_share_max,
+                  "concentration": r.routing_concentration_max}  # fmt: skip
+        level, n = series.recent(r.smooth), min(r.smooth, len(series.values))
+        if name not in limits or level <= limits[name] - r.routing_level_clear * ongoing:
+            return []
+        over, limit = f"over {n} step{'s' * (n > 1)}", limits[name]
+        if name == "hot_share":
+            text = (f"the busiest expert is picked by {level:.0%} of tokens {over} (max/mean "
+                    f"{level * num_experts / top_k:.2f} of {num_experts / top_k:.3g}; limit "
+                    f"{limit:.0%})")  # fmt: skip
+        else:
+            in_use = experts_in_use(level, num_experts, top_k)
+            text = (f"load concentration {level:.2f} {over} (as if {in_use:.3g} of "
+                    f"{num_experts:g} experts, top-{top_k:g}; limit {limit:g})")  # fmt: skip
+        return [(name, text, level, limit)]
+
+    def _routing_rise(self, name: str, series: _Series) -> list[tuple]:
         r = self.rules
-        if name == "entropy":
-            return change < -r.routing_entropy_drop
-        if name == "top10_share":
-            return change > r.routing_top10_rise
-        return change >= r.routing_dead_rise
+        limits = {"concentration": r.routing_concentration_rise,
+                  "dead_share": r.routing_dead_rise}  # fmt: skip
+        now, before = series.mean(r.smooth), series.mean(r.smooth, back=r.routing_window)
+        if name not in limits or before is None or now - before <= limits[name]:
+            return []
+        limit = limits[name]
+        what, most = ((f"load concentration {before:.2f} -> {now:.2f}", f"{limit:g}")
+                      if name == "concentration" else
+                      (f"dead experts {before:.0%} -> {now:.0%} of E", f"{limit:.0%}"))  # fmt: skip
+        text = f"{what} in {r.routing_window} steps (limit +{most})"
+        return [(name, text, now - before, limit)]
 
     def _val_stale(self, step, metrics):
         r = self.rules

@@ -15,6 +15,19 @@ Definitions (per layer, c = counts of the E experts, N = sum c, p = c / N):
 - ep_rank_<r>_share (overall): EP rank r's share of all layers' assignments.
 - ep_straggler (overall): sum over layers of the busiest rank's load / sum of mean rank loads,
   i.e. the expected slowdown of the expert compute of one step versus perfect balance.
+
+Shape-free forms of the per-layer metrics, given E and the router's top-k K (the run-health
+alarms read them so that one threshold means the same at 8 experts top-2 and 128 top-8):
+- concentration(entropy): the entropy placed on its bounds for top-k routing, 0 at log E
+  (even load) and 1 at log K (the load on K experts, the lowest a top-k router reaches: a
+  token's K experts are distinct, so no expert holds more than 1/K of the assignments).
+  At concentration x the entropy is that of an even load on E^(1-x) K^x experts: 0.5 is 4
+  of 8 at top-2 and 32 of 128 at top-8.
+- hot_share(max_over_mean): the share of tokens whose top-k holds the busiest expert,
+  max(c) / T = max_over_mean x K / E; K / E when even, 1 when every token picks it.
+- dead / E: the share of experts that got no token.
+All three are affine in the metric they come from, so a mean over updates (verl's reduction
+of a trainer step's metrics) maps to the mean of the shape-free values.
 """
 
 import math
@@ -110,6 +123,22 @@ def layer_metrics(counts_LE, ep: int = 1) -> dict[str, torch.Tensor]:
         "top10_share": top10_share_L(counts),
         "ep_max_over_mean": ep_max_over_mean_L(counts, ep),
     }
+
+
+def concentration(entropy: float, num_experts: float, top_k: float) -> float:
+    """Normalised entropy (entropy_L, 1 = even) -> 0 (even) .. 1 (all load on K experts)."""
+    log_e, log_k = math.log(num_experts), math.log(top_k)
+    return (1.0 - entropy) * log_e / (log_e - log_k)
+
+
+def hot_share(max_over_mean: float, num_experts: float, top_k: float) -> float:
+    """max_over_mean -> the share of tokens that pick the busiest expert (K / E .. 1)."""
+    return max_over_mean * top_k / num_experts
+
+
+def experts_in_use(concentration_value: float, num_experts: float, top_k: float) -> float:
+    """exp(entropy): how many experts an even load of the same entropy would use."""
+    return num_experts ** (1.0 - concentration_value) * top_k**concentration_value
 
 
 def _nan_agg(values_L: torch.Tensor, how: str) -> float:

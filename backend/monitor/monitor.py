@@ -11,6 +11,9 @@ different chunks of S. EP is folded out of those same ranks (expert side), so it
 copies, and PP stages count disjoint layers of the global [L, E] tensor. Summing over the
 whole world is therefore exact; reducing over DP only would miss TP slices, and adding EP
 on top would double count. tests/test_monitor_multiproc.py checks this against world size 1.
+
+Each step's metrics carry the model's shape, `moe/num_experts` and (given top_k) `moe/top_k`,
+with the per-layer `moe/<phase>/layer_<l>/<metric>` (backend.monitor.metrics).
 """
 
 import logging
@@ -168,7 +171,8 @@ class ExpertLoadMonitor:
         per_phase = phase_metrics(counts_PLE, self.phases, self.plan["ep"])
         self.history.add(step, counts_PLE, aux, per_phase, mismatch=extra,
                          trainer_step=trainer_step)  # fmt: skip
-        metrics = {**self._step_metrics(counts_PLE, per_phase), **aux, **self._cumulative_metrics()}
+        metrics = {**self._shape(), **self._step_metrics(counts_PLE, per_phase), **aux,
+                   **self._cumulative_metrics()}  # fmt: skip
         metrics.update(extra)
         if self.unlabelled_calls:  # a pass the caller forgot to label: visible, not silent
             metrics["moe/unlabelled_router_calls"] = float(self.unlabelled_calls)
@@ -195,6 +199,12 @@ class ExpertLoadMonitor:
         if warning is not None:
             self.add_warning(warning)
         return {"moe/ep_skew_exceeded_steps": float(self.skew_guard.exceeded_steps)}
+
+    def _shape(self) -> dict[str, float]:
+        """E and the router's top-k: what the run-health alarms need to read the per-layer
+        metrics the same way at any shape (backend.monitor.alarms)."""
+        shape = {"moe/num_experts": float(self.num_experts)}
+        return shape | ({"moe/top_k": float(self.top_k)} if self.top_k else {})
 
     def _step_metrics(self, counts_PLE: torch.Tensor, per_phase: dict) -> dict[str, float]:
         flat = {}

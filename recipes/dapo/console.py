@@ -4,12 +4,12 @@ Every line of the training child (verl's driver, Ray, every worker and server, w
 prints them) passes through `Console.feed`, which writes it to `<run>/logs/launch_NNN.log`
 and shows on the console only:
 - for each trainer step verl logs (its console logger's `step:N - key:value - ...` line), one
-  compact line: a progress bar, reward, validation reward when the step validated, entropy,
-  KL (the KL loss, or the update's ppo_kl), grad norm, rollout-vs-actor |log-prob diff|,
-  routing agreement, the worst layer's routing concentration (max/mean) and EP skew, step
-  time and communication share;
-- each distinct warning or error line once (numbers masked to tell them apart), and after
-  the child ended the counts of the most repeated ones (all of them at the end of the log);
+  compact line (recipes.dapo.step_line), after its legend once;
+- each distinct warning or error line once (numbers and Ray's nested process prefixes
+  masked to tell them apart), and after the child ended the counts of the most repeated ones
+  (all of them at the end of the log); library notices that do not apply to the run, the
+  engine's `config:` lines and the start-up lines until the first step line are
+  recipes.dapo.console_filters';
 - the run-health alarms (backend.monitor.alarms) that the step metrics raise, also appended
   to `<run>/alarms.jsonl` and written to tensorboard (recipes.dapo.alarm_log), whence the
   routing report takes them (recipes.dapo.health);
@@ -26,7 +26,6 @@ so that the summary, printed after `close()`, is the last thing on the console.
 """
 
 import io
-import math
 import re
 import sys
 import threading
@@ -39,12 +38,15 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from backend.monitor.alarms import AlarmRules, HealthAlarms, lookup, val_reward
+from backend.monitor.alarms import AlarmRules, HealthAlarms
 from recipes.dapo.alarm_log import ALARMS, AlarmLog
+from recipes.dapo.console_filters import Startup, config_text, held_back_line, not_applicable
+from recipes.dapo.step_line import LEGEND, progress_bar, step_line
 from recipes.dapo.tracebacks import Tracebacks
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-RAY_PREFIX = re.compile(r"^\((?:[\w.:-]+(?: pid=\d+)?|pid=\d+)(?:, ip=[\w.:-]+)?\)\s?")
+# one or nested: (vLLMHttpServer pid=1) (EngineCore pid=2) WARNING ...
+RAY_PREFIX = re.compile(r"^(?:\((?:[\w.:-]+(?: pid=\d+)?|pid=\d+)(?:, ip=[\w.:-]+)?\)\s?)+")
 STEP_LINE = re.compile(r"^step:(\d+) - (.*)$")
 TOTAL_STEPS = re.compile(r"Total training steps: (\d+)")
 NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
@@ -60,12 +62,11 @@ NUMBER = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
 SHOWN_WIDTH = 200  # characters of a warning shown on the console
 REPEATED_SHOWN = 10  # the most repeated warnings counted on the console (all in the log)
 TAIL_LINES = 25  # of the log, shown when the child fails
-BAR = 20  # characters of the progress bar
 TICK_S = 1.0  # between two status-line updates on a terminal
 
 
 def clean(raw: str) -> str:
-    """A child's line without colours, Ray's `(Actor pid=N)` prefix and the line end."""
+    """A child's line without colours, Ray's `(Actor pid=N)` prefixes and the line end."""
     return RAY_PREFIX.sub("", ANSI.sub("", raw.rstrip("\r\n")), count=1).strip("\r")
 
 
@@ -100,63 +101,6 @@ def warning_text(text: str) -> str | None:
     return shown if len(shown) <= SHOWN_WIDTH else shown[: SHOWN_WIDTH - 3] + "..."
 
 
-def progress_bar(step: int, total: int | None) -> str:
-    """`[####......] step/total` (tqdm's bar, '#' done); `step N` while the total is unknown."""
-    if not total:
-        return f"step {step}"
-    # the bar alone: tqdm drops the total of a count past it (a resume may run past --steps)
-    bar = tqdm.format_meter(min(step, total), total, 0, bar_format=f"[{{bar:{BAR}}}]", ascii=".#")
-    return f"{bar} {step:>{len(str(total))}}/{total}"
-
-
-def _fmt(value: float) -> str:
-    if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e4):
-        return f"{value:.1e}"
-    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
-
-
-def _worst_layer(metrics: dict[str, float], name: str) -> tuple[float, int | None] | None:
-    """The highest per-layer `name` of the update pass, and its layer (monitor keys)."""
-    pattern = re.compile(rf"^(?:actor/)?moe/update/layer_(\d+)/{name}$")
-    layers = [(v, int(m.group(1))) for k, v in metrics.items() if (m := pattern.match(k))]
-    layers = [(v, layer) for v, layer in layers if math.isfinite(v)]
-    if layers:
-        return max(layers)
-    whole = lookup(metrics, f"moe/update/{name}_max")
-    return (whole, None) if whole is not None else None
-
-
-def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
-    """One compact line of a trainer step's metrics (the ones it has)."""
-    parts = [progress_bar(step, total)]
-
-    def add(label: str, value: float | None, fmt=_fmt) -> None:
-        if value is not None:
-            parts.append(f"{label} {fmt(value)}")
-
-    add("reward", lookup(metrics, "critic/rewards/mean"))
-    add("val", val_reward(metrics))
-    add("entropy", lookup(metrics, "entropy"))
-    kl_loss = lookup(metrics, "kl_loss")
-    if kl_loss is not None:
-        add("kl", kl_loss)
-    else:
-        add("ppo_kl", lookup(metrics, "ppo_kl"))
-    add("grad", lookup(metrics, "grad_norm"))
-    add("|dlogp|", lookup(metrics, "rollout_logprob_abs_diff/max"))
-    add("agree", lookup(metrics, "moe/routing_agreement/mean"), lambda v: f"{v:.3f}")
-    worst = _worst_layer(metrics, "max_over_mean")
-    if worst is not None:
-        where = f" L{worst[1]}" if worst[1] is not None else ""
-        parts.append(f"route {worst[0]:.2f}x{where}")
-    skew = _worst_layer(metrics, "ep_max_over_mean")
-    if skew is not None:
-        parts.append(f"ep {skew[0]:.2f}x")
-    add("", lookup(metrics, "timing_s/step"), lambda v: f"{v:.1f}s")
-    add("comm", lookup(metrics, "timing/comm_share"), lambda v: f"{v:.0%}")
-    return " | ".join(p.strip() for p in parts)
-
-
 @dataclass
 class Console:
     """The filter between the child's output and the screen (module doc)."""
@@ -169,18 +113,25 @@ class Console:
     total_steps: int | None = None
     alarms: HealthAlarms = field(default_factory=HealthAlarms)
     alarm_log: AlarmLog | None = None
+    device: str | None = None  # the notices held back are those that do not apply to it
+    clock: object = time.perf_counter  # seconds; `_started` on it is the launcher's start
     warnings: Counter = field(default_factory=Counter)
     shown: dict[str, str] = field(default_factory=dict)  # warning key -> its first text
+    held: Counter = field(default_factory=Counter)  # notices held back -> their count
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     steps: int = 0
     tracebacks: Tracebacks = field(default_factory=Tracebacks)  # the child's own, held
     refusal: str | None = None  # the checkpoint refusal the failed child's traceback ends with
-    _started: float = field(default_factory=time.monotonic)
+    _started: float = field(default_factory=time.perf_counter)
+    startup: Startup | None = None
     _status_at: float = 0.0
     _status_on: bool = False
     child_over: bool = False
     # the reader thread feeds, the launcher's thread ticks and ends: one at a time
     _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self):
+        self.startup = self.startup or Startup(self._started)
 
     def header(self, text: str, shown_lines: int = 2) -> None:
         """The launcher's own description of the run: all of it to the log; on the console
@@ -207,6 +158,11 @@ class Console:
         with self._lock:
             if not self.child_over:
                 self._release_stale()
+                self._startup()
+
+    def _startup(self) -> None:
+        if not self.verbose and (line := self.startup.line(self.clock())) is not None:
+            self.say(line)
 
     def _release_stale(self) -> None:
         if self.tracebacks.stale():
@@ -240,14 +196,22 @@ class Console:
         if (m := TOTAL_STEPS.search(text)) and self.total_steps is None:
             self.total_steps = int(m.group(1))
         step = parse_step(text)
+        self.startup.observe(text)
         if step is not None:
             self._step(*step)
+        elif (config := config_text(text)) is not None:
+            self._warning(config)
         elif (shown := warning_text(text)) is not None:
             self._warning(shown)
+        if not self.child_over:
+            self._startup()
         self._status(text)
 
     def _step(self, step: int, metrics: dict[str, float]) -> None:
         self.steps = max(self.steps, step)
+        if not self.startup.done and not self.verbose:
+            self.say(LEGEND)
+        self.startup.done = True
         if not self.verbose:
             self.say(step_line(step, self.total_steps, metrics))
         for alarm in self.alarms.observe(step, metrics):
@@ -257,6 +221,10 @@ class Console:
 
     def _warning(self, shown: str) -> None:
         key = NUMBER.sub("#", shown)
+        if (notice := not_applicable(shown, self.device)) is not None:
+            self.held[(key, notice.reason)] += 1
+            self.shown.setdefault(key, shown)
+            return
         self.warnings[key] += 1
         if key not in self.shown:
             self.shown[key] = shown
@@ -293,6 +261,10 @@ class Console:
         kinds = Counter(a.kind for a in fired)
         self.say("alarms: " + (", ".join(f"{k} x{n}" for k, n in kinds.items()) or "none")
                  + (f" ({self.alarm_log.path})" if fired and self.alarm_log else ""))  # fmt: skip
+        if self.held:
+            self.log.write("held back (do not apply to this run):\n" + "".join(
+                f"  {n}x {self.shown[k]} ({why})\n" for (k, why), n in self.held.items()))  # fmt: skip
+            self.say(held_back_line(len(self.held), self.device, self.log_path))
         if held is not None:  # a failure that is not a refusal
             self.say(f"the training job exited with status {code}; the log ends with:")
             ending = [clean(raw) for raw in held] if len(held) > len(self.tail) else self.tail
@@ -322,7 +294,7 @@ class Console:
 
     def _status(self, text: str) -> None:
         """A terminal's last line: progress, elapsed time, the latest line (never logged)."""
-        now = time.monotonic()
+        now = self.clock()
         if self.verbose or not self.out.isatty() or now - self._status_at < TICK_S:
             return
         self._status_at, self._status_on = now, True
@@ -365,12 +337,16 @@ def next_index(logs: Path) -> int:
 
 def open_console(run_dir: Path, index: int, verbose: bool, total_steps: int | None,
                  tensorboard_dir: str | None, rules: AlarmRules | None = None,
-                 debug: bool = False) -> Console:  # fmt: skip
+                 debug: bool = False, device: str | None = None,
+                 started: float | None = None) -> Console:  # fmt: skip
     """A Console logging to <run_dir>/logs/launch_<index>.log, alarms (by `rules`, the defaults
-    without) to <run_dir>/alarms.jsonl and tensorboard; `debug`: a refusal's traceback shown."""
+    without) to <run_dir>/alarms.jsonl and tensorboard; `debug`: a refusal's traceback shown;
+    `device`: the notices not applying to it held back; `started`: the launcher's start
+    (time.perf_counter), whence the start-up lines count."""
     log_path = run_dir / "logs" / f"launch_{index:03d}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w", buffering=1)
     alarm_log = AlarmLog(run_dir / ALARMS, tensorboard_dir)
     return Console(log, log_path, verbose=verbose, debug=debug, total_steps=total_steps,
-                   alarms=HealthAlarms(rules), alarm_log=alarm_log)  # fmt: skip
+                   alarms=HealthAlarms(rules), alarm_log=alarm_log, device=device,
+                   _started=time.perf_counter() if started is None else started)  # fmt: skip

@@ -1,6 +1,6 @@
 """The resolved run as the launcher prints it: the dry run's report, every launch's log header.
 
-Plan, memory verdict (with the actor update at the assumed EP skew), rank layout with its
+Plan, the local run's model, memory verdict (with the actor update at the assumed EP skew), rank layout with its
 notes and warnings, traffic besides forward and backward, the device stack, what routing
 replay needs from the rollout, which Ray, the job environment and the verl overrides by group.
 """
@@ -8,7 +8,7 @@ replay needs from the rollout, which Ray, the job environment and the verl overr
 from backend.common import DEVICE_LABELS
 from recipes.dapo import BACKEND, overrides, stack
 
-RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (tiny Qwen3-MoE)"}
+RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (small Qwen3-MoE)"}
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
     "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
@@ -27,6 +27,8 @@ def describe(resolved) -> str:
         f"x {run.plan.world}",
         f"plan: {run.plan.describe()}",
     ]
+    if getattr(resolved, "model_line", ""):  # the local run: the model it trains
+        lines.append(resolved.model_line)
     if resolved.model_fit is not None:  # the memory model is for accelerators
         lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
         lines += [f"  {line}" for line in resolved.skew_lines]

@@ -26,6 +26,7 @@ from backend.guards import (
     kl_term,
     masked_sum_count,
 )
+from backend.instruments import config_logger
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class EngineGuards:
         self.kl = AdaptiveKL(s.kl) if s.kl else None
         self._sums = None  # [entropy, kl] x [sum, count] of this step, on the loss's device
         if self.on:
-            logger.warning("mcore_ep: %s", s.describe())
+            config_logger.info("mcore_ep: config: %s", s.describe())
 
     @property
     def on(self) -> bool:

@@ -6,8 +6,10 @@ memory model; print the resolved config; check `ray status`; start verl's own en
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster, watching its
 nodes (recipes.dapo.lost_node).
 Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
-own Ray; with --ray-address, the same tiny job on that running cluster, through the cluster
-run's steps (`ray status` check, job environment, node watch): the one-box rehearsal.
+own Ray, on the model --model chose (recipes.dapo.local_model); with --ray-address, the
+same job on that running cluster, through the cluster run's steps (`ray status` check, job
+environment, node watch): the one-box rehearsal. Its directory is written only once every check passed (`prepare_local`): an earlier run there is
+moved to <dir>.<UTC timestamp> without --resume (recipes.dapo.local_checks), never deleted.
 Everything after `--` passes through as verl overrides.
 This module runs the resolved job (verl's trainer through the console, the resume it will
 take, the lost-node watch); the flags and their resolution are recipes.dapo.resolution's,
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 from backend.cli_contract import parse_or_exit_code, run_cli
-from recipes.dapo import cluster, lost_node, resume, stack
+from recipes.dapo import cluster, local_checks, lost_node, resume, stack
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.resolution import (
     Resolved,
@@ -42,16 +44,20 @@ from recipes.dapo.resolution import (
 
 
 def run(args, extra: list[str]) -> int:
+    t0 = launched_at()  # the run's wall time and start-up lines count from here
     device = pick_device(args.device)
-    t0 = time.perf_counter()
     if device == "cpu":
-        resolved, out, hf_dir = resolve_local(args, extra)
+        resolved, out, model = resolve_local(args, extra)
     else:
         resolved = resolve(args, device, extra)
-    if args.dry_run:
+    if args.dry_run:  # writes nothing
         print(resolved.describe())
+        if device == "cpu" and not args.resume and local_checks.earlier_run(out):
+            print(local_checks.would_set_aside(out))
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
+    if device == "cpu":
+        prepare_local(out, args, model.name)
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
         cluster.raise_open_files()
@@ -62,21 +68,51 @@ def run(args, extra: list[str]) -> int:
     if device == "cpu":
         from recipes.local.run import run as run_local
 
-        return run_local(resolved, out, hf_dir, t0, verbose=args.verbose, debug=args.debug,
+        return run_local(resolved, out, t0, verbose=args.verbose, debug=args.debug,
                          watch=watch)  # fmt: skip
-    return run_cluster(resolved, args.verbose, args.debug, watch)
+    return run_cluster(resolved, args.verbose, args.debug, watch, started=t0)
 
 
-def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None) -> int:
+def launched_at() -> float:
+    """When this process started, on time.perf_counter's clock (Linux: /proc/self/stat's
+    start time against /proc/uptime), so that the wall time includes Python's start and the
+    launcher's imports; now where that is not known."""
+    import os
+
+    now = time.perf_counter()
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - min(max(age, 0.0), 3600.0)
+
+
+def prepare_local(out: Path, args, model: str) -> None:
+    """The local run's directory, once every check passed: an earlier run there moved aside
+    (without --resume; never deleted), then the model (tiny / mini: built once; a directory:
+    used in place) and data made."""
+    from recipes.local.run import prepare
+
+    if not args.resume and local_checks.earlier_run(out):
+        print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
+    prepare(out, seed=args.seed or 0, model=model)
+
+
+def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None,
+                started: float | None = None) -> int:  # fmt: skip
     """verl's entry point through the console, watching the cluster's nodes (`watch`,
     recipes.dapo.lost_node); then the routing report with the alarms. A checkpoint the engine
-    refused raises its CheckpointError (recipes.dapo.cluster)."""
+    refused raises its CheckpointError (recipes.dapo.cluster). started: the launcher's start
+    (launched_at), whence the console's start-up lines count."""
     from recipes.dapo.console import next_index, open_console
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
 
     run_dir = Path(resolved.run.ckpt_dir)
     console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
-                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug)  # fmt: skip
+                           resolved.run.env.get("TENSORBOARD_DIR"), debug=debug,
+                           device=resolved.run.device, started=started)  # fmt: skip
     try:
         console.header(resolved.describe())
         code = cluster.run_command(resolved.command, resolved.run.env, console, watch)

@@ -253,24 +253,32 @@ def value_of(groups: dict[str, dict], key: str):
 
 
 def merge(groups: dict[str, dict], extra: list[str]) -> tuple[dict[str, dict], list[str]]:
-    """Pass-through overrides replace ours with the same key; others go to an 'extra' group."""
+    """Pass-through overrides replace ours with the same key; others go to an 'extra' group.
+    `~key` (Hydra's deletion, with or without =value) drops ours, and deletes verl's own key
+    unless ours was a `+` addition."""
     replaced, groups = [], {g: dict(kv) for g, kv in groups.items()}
     remaining = {}
     for item in extra:
-        if "=" not in item:
+        deletion = item.startswith("~")
+        if "=" not in item and not deletion:
             raise ValueError(
                 f"pass-through override {item!r} is not key=value: "
                 "write e.g. trainer.total_epochs=2"
             )
-        key, value = item.split("=", 1)
+        key, value = item.split("=", 1) if "=" in item else (item, None)
         hit = next(
             ((g, k) for g, kv in groups.items() for k in kv if key_of(k) == key_of(key)), None
         )
         if hit:
-            groups[hit[0]][hit[1]] = value
             replaced.append(key_of(key))
-        else:
-            remaining[key] = value
+        if hit and deletion:
+            del groups[hit[0]][hit[1]]
+            if hit[1].startswith("+"):  # only ours added it: dropping ours deletes it
+                continue
+        elif hit:
+            groups[hit[0]][hit[1]] = value
+            continue
+        remaining[key] = value
     if remaining:
         groups["extra"] = remaining
     return groups, replaced
@@ -298,4 +306,9 @@ def _hydra_dict(d: dict) -> str:
 
 
 def to_cli(groups: dict[str, dict]) -> list[str]:
-    return [f"{k}={format_value(v)}" for kv in groups.values() for k, v in kv.items()]
+    """verl's command line; a deletion without a value (`~key`) stays as written."""
+    return [
+        k if v is None and k.startswith("~") else f"{k}={format_value(v)}"
+        for kv in groups.values()
+        for k, v in kv.items()
+    ]

@@ -3,9 +3,11 @@
 `build_parser` and `split_argv`: the launcher's own flags, and the verl overrides after `--`.
 `resolve`: a cluster run (npu / cuda), checked against the model (parallel/), the model and
 data files, the reward its overrides configure; offload decided by the memory model.
-`resolve_local`: the embedded CPU run on the tiny model (recipes.local), or with
---ray-address the same tiny job on that running cluster. Either way a `Resolved` (overrides
-by group, verl's command line), nothing started; misuse raises LaunchError with one line.
+`resolve_local`: the embedded CPU run on the model --model chose (recipes.dapo.local_model:
+tiny, mini or the user's directory), or with --ray-address the same job on that running
+cluster, checked as recipes.dapo.local_checks says. Either way a `Resolved` (overrides by group, verl's command line), the pass-through
+overrides checked against verl's config (recipes.dapo.verl_schema), nothing started or
+written; misuse raises LaunchError with one line.
 """
 
 import argparse
@@ -14,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser
-from recipes.dapo import check_actor_cp, cluster, data, dry_run, overrides
+from recipes.dapo import check_actor_cp, cluster, data, dry_run, local_model, overrides
 from recipes.dapo.cluster import LaunchError
+from recipes.dapo.verl_schema import check_overrides
 
 # the launcher's --help headline (recipes/dapo/launch.py is the entry point)
 DESCRIPTION = (
     "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.dapo.launch`)."
 )
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
-CLUSTER_ONLY = ("model", "train_file", "val_file", "ifname", "etp", "cp", "skew_from")
+CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
 
@@ -37,9 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="scripts/train_mcore.sh",
         description=DESCRIPTION,
-        epilog="verl overrides go after `--`, e.g. -- trainer.total_epochs=2",
+        epilog="verl overrides go after `--`, e.g. -- trainer.total_epochs=2 (checked against "
+        "verl's config before anything starts; +key=value adds a key, ~key deletes one)",
     )
-    plan = p.add_argument_group("parallel plan (cluster default: tp 4, ep 8, etp 1, pp 1, cp 1)")
+    plan = p.add_argument_group(
+        "parallel plan (cluster: tp 4, ep 8, etp 1, pp 1, cp 1; local: 1 each), checked against "
+        "the model"
+    )
     for dim in CLUSTER_PLAN:
         plan.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim} size")
     plan.add_argument("--nodes", type=positive_int, default=4, help="nodes in the Ray cluster")
@@ -52,13 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: this machine's accelerator, else cpu (the local run)",
     )
-    p.add_argument("--model", help="HF checkpoint dir of Qwen3-30B-A3B (config.json + safetensors)")
+    p.add_argument("--model", metavar="tiny|mini|DIR", help=local_model.FLAG_HELP)
     p.add_argument(
         "--train-file", help=f"{data.TRAIN.filename} (scripts/prepare_data.py checks it)"
     )
     p.add_argument("--val-file", help=f"{data.VAL.filename}")
     p.add_argument(
-        "--ckpt-dir", help="checkpoints and logs (shared filesystem); local run: its --out"
+        "--ckpt-dir",
+        help=f"checkpoints and logs (shared filesystem); local run: its directory (default "
+        f"{LOCAL_OUT})",
     )
     p.add_argument("--ifname", help="network interface for HCCL/NCCL and gloo (e.g. eth0)")
     p.add_argument(
@@ -67,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the running Ray cluster (ray_start_head.sh prints it); default: the one Ray finds "
         "from this node. --device cpu: run the tiny job on it instead of the embedded run",
     )
-    p.add_argument("--dry-run", action="store_true", help="resolve and print, start nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="check, resolve and print; start and write nothing"
+    )
     p.add_argument(
         "--skew-from",
         metavar="REPORT",
@@ -84,12 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="show every line of verl, Ray and the workers (they always go to the run's log)",
     )
     local = p.add_argument_group(
-        "local run (CPU only; a cluster run takes verl overrides after --)"
+        "local run (CPU only; --model picks its model; a cluster run takes verl overrides after --)"
     )
-    local.add_argument("--steps", type=int, default=None, help="training steps")
-    local.add_argument("--seed", type=int, default=None, help="random seed")
     local.add_argument(
-        "--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir"
+        "--steps", type=positive_int, default=None, help=f"training steps (default {LOCAL_STEPS})"
+    )
+    local.add_argument(
+        "--seed", type=int, default=None, help="random seed of a built model (tiny, mini)"
+    )
+    local.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint in --ckpt-dir (without it a new run starts, "
+        "and an earlier run there is moved to <dir>.<UTC timestamp>, never deleted)",
     )
     return p
 
@@ -101,6 +119,7 @@ class Resolved:
     groups: dict[str, dict]
     replaced: list[str]
     skew_lines: tuple[str, ...] = ()  # parallel.skew: verdict at the assumed EP skew, margin
+    model_line: str = ""  # the local run: which model it trains (local_model.LocalModel)
 
     @property
     def command(self) -> list[str]:
@@ -220,6 +239,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
+    check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
     groups = overrides.name_the_run(groups)
     return Resolved(
@@ -233,72 +253,52 @@ def _assumed_skew(report: str | None):
     return skew_from_report(report) if report else default_skew()
 
 
-def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, Path]:
-    """The embedded run: the same overrides on the tiny model and task (recipes.local); with
-    --ray-address on that cluster's --nodes x --devices-per-node ranks."""
-    from parallel.plan import ParallelPlan
+def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.LocalModel]:
+    """The embedded run: the same overrides on the chosen model and the toy task
+    (recipes.local); with --ray-address on that cluster's --nodes x --devices-per-node ranks.
+    Checks only: nothing is written (recipes.dapo.local_checks; the launch prepares the
+    directory after them)."""
+    from recipes.dapo import local_checks as checks
     from recipes.dapo.fit import Fit
     from recipes.local import run as local
-    from recipes.local.tiny_model import TINY_QWEN3_MOE
 
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]
     if given:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
         raise LaunchError(
             f"{flags} configure a cluster run: add --device npu or cuda "
-            "(this machine has no accelerator; the local run uses the tiny model)"
+            "(this machine has no accelerator; the local run trains on the toy task)"
         )
-    tp, ep, pp = args.tp or 1, args.ep or 1, args.pp or 1
-    layers = TINY_QWEN3_MOE["num_hidden_layers"]
-    if layers % pp:
-        raise LaunchError(f"--pp {pp} does not divide the tiny model's {layers} layers: use 1 or 2")
-    nodes, per_node = _local_layout(args, tp, ep, pp)
-    plan = ParallelPlan(nodes=nodes, devices_per_node=per_node, tp=tp, ep=ep, pp=pp)
+    dims = {d: getattr(args, d) or 1 for d in CLUSTER_PLAN}
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
-    if not args.resume and not args.dry_run:
-        _start_over(out)
-    hf_dir, files = local.prepare(out, seed=args.seed or 0)
+    data_dir = out / "data"
+    model = local_model.choose(args.model, extra, out)
+    plan = checks.model_fit(model.config, *_local_layout(args, **dims), **dims).plan
+    fresh = not args.resume and checks.earlier_run(out)  # the launch moves that run aside
     # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
     # so verl's offload/onload calls run between rollout and update here too
     fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.RunSpec(
-        "cpu", plan, fit, str(hf_dir), str(files["train"]), str(files["val"]),
-        str(out / "checkpoints"), local.job_env(out),
+        "cpu", plan, fit, str(model.path), str(data_dir / "train.parquet"),
+        str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
     )  # fmt: skip
-    groups, replaced = overrides.merge(overrides.build(run), extra)
+    built = overrides.build(run)
+    groups, replaced = overrides.merge(built, extra)
+    check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     groups = overrides.name_the_run(groups)
-    _check_cpu_rollout_model(Path(str(overrides.value_of(groups, "actor_rollout_ref.model.path"))))
-    return Resolved(run, None, groups, replaced), out, hf_dir
+    checks.check_rollout_model(model)
+    if args.resume:
+        checks.check_resume(groups, out)
+    resolved = Resolved(run, None, groups, replaced, model_line=model.describe())
+    return resolved, out, model
 
 
-def _local_layout(args, tp: int, ep: int, pp: int) -> tuple[int, int]:
+def _local_layout(args, tp: int, ep: int, pp: int, etp: int, cp: int) -> tuple[int, int]:
     """(nodes, ranks per node): the cluster's with --ray-address; else one node of the
     smallest dp that lets the experts fold over the ranks."""
     import math
 
     if args.ray_address:
         return args.nodes, args.devices_per_node
-    return 1, math.lcm(tp, ep) * pp
-
-
-def _check_cpu_rollout_model(model: Path) -> None:
-    """The model the local run serves with vLLM's CPU backend: its limits, one line each."""
-    from recipes.local.cpu_limits import problems
-    from recipes.local.overrides import ROLLOUT_TP
-
-    found = problems(model, ROLLOUT_TP)
-    if found:
-        raise LaunchError(found[0])
-
-
-def _start_over(out: Path) -> None:
-    """A fresh run in a used directory: its checkpoints would be resumed (resume_mode=auto)."""
-    import shutil
-
-    old = [out / "checkpoints", out / "metrics", out / "tensorboard", out / "logs",
-           out / "alarms.jsonl"]  # fmt: skip
-    if any(p.exists() for p in old):
-        print(f"starting over in {out} (add --resume to continue the run there)")
-        for p in old:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return 1, math.lcm(tp * cp, etp * ep) * pp

@@ -12,9 +12,13 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_MOE_ALIGNMENT = 32  # CPUUnquantizedExperts: hidden and expert slices divisible by it
 
 
-def problems(model_dir: Path, rollout_tp: int = 1) -> list[str]:
-    """The CPU-backend limits this HF checkpoint (config.json + tokenizer) hits."""
-    config = json.loads((model_dir / "config.json").read_text())
+def problems(
+    model_dir: Path, rollout_tp: int = 1, config: dict | None = None, tokens: int | None = None
+) -> list[str]:
+    """The CPU-backend limits this HF checkpoint (config.json + tokenizer) hits; `config` and
+    `tokens` (the tokenizer's length) in memory stand in for files not written yet."""
+    if config is None:
+        config = json.loads((model_dir / "config.json").read_text())
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     found = []
@@ -36,7 +40,7 @@ def problems(model_dir: Path, rollout_tp: int = 1) -> list[str]:
             f"of {CPU_MOE_ALIGNMENT}: vLLM's CPU MoE kernel pads it on the first load, into a "
             "layout weight updates cannot load: use a multiple of it"
         )
-    tokens = _tokenizer_length(model_dir)
+    tokens = _tokenizer_length(model_dir) if tokens is None else tokens
     if tokens < config["vocab_size"]:
         found.append(
             f"{model_dir}: the tokenizer has {tokens} tokens for vocab_size "

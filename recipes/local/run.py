@@ -1,19 +1,18 @@
 """The embedded run: verl's own DAPO trainer on a tiny Qwen3-MoE, on this machine's CPUs.
 
 `bash scripts/train_mcore.sh` without an accelerator lands here (recipes.dapo.launch):
-1. prepare <out>/: the tiny model with its character tokenizer (tiny_hf/) and the task's
+1. prepare <out>/: the model --model builds (tiny or mini, recipes.local.models: <name>_hf/,
+   with the task's character tokenizer; a user's directory is used in place) and the task's
    parquet files (data/), once;
 2. run `python -m verl.trainer.main_ppo` with the cluster's overrides plus the CPU ones
    (recipes.local.overrides): Ray, the V1 trainer, our mcore_ep engine, the CPU rollout,
    verl's weight sync, checkpoints under <out>/checkpoints (resume_mode=auto);
-3. finish: export the last checkpoint to HF (converters), check that transformers reloads it
-   with the same logits as megatron-core, render the routing report, plot the reward curve,
+3. finish: export the last checkpoint to HF (converters) against the model it trained
+   (`trained_model`), check that transformers reloads it with the same logits as megatron-core, render the routing report, plot the reward curve,
    write summary.json.
 """
 
 import json
-import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -22,50 +21,65 @@ from pathlib import Path
 from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 METRICS = "metrics"  # verl's file logger, one jsonl per launch
+MODEL_KEY = "actor_rollout_ref.model.path"
 
 
-def prepare(out: Path, seed: int = 0) -> tuple[Path, dict]:
-    """<out>/tiny_hf (model + tokenizer) and <out>/data (train/val parquet), made once."""
+def tiny_hf_config() -> dict:
+    """The tiny model's config.json fields, in memory (recipes.local.models.built_config)."""
+    from recipes.local.models import built_config
+
+    return built_config("tiny")
+
+
+def prepare(out: Path, seed: int = 0, model: str = "tiny") -> tuple[Path | None, dict]:
+    """<out>/<model>_hf (a built model + tokenizer; none for a user's directory), <out>/data
+    (train/val parquet) and <out>/metrics, made once (the launcher calls it once its checks
+    pass); returns the built model's directory (None for a directory) and the data files."""
     from transformers.utils.logging import disable_progress_bar
 
-    from recipes.local.task import VOCAB_SIZE, write_data, write_tokenizer
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from recipes.local.models import BUILT, make_built
+    from recipes.local.task import write_data
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
-    hf_dir, data_dir = out / "tiny_hf", out / "data"
-    if not (hf_dir / "tokenizer.json").is_file():
-        tmp = out / ".tiny_hf.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(tmp, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2, pad_token_id=0)
-        write_tokenizer(tmp)
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        os.replace(tmp, hf_dir)
+    hf_dir = make_built(out, model, seed) if model in BUILT else None
+    data_dir = out / "data"
     files = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
     if not all(p.is_file() for p in files.values()):
         files = write_data(data_dir)
+    (out / METRICS).mkdir(exist_ok=True)
     return hf_dir, files
 
 
-def job_env(out: Path) -> dict[str, str]:
+def trained_model(groups: dict[str, dict]) -> Path:
+    """The model verl's trainer was given (actor_rollout_ref.model.path after the
+    pass-through overrides): the export's template and the reload check's tokenizer."""
+    from recipes.dapo.overrides import value_of
+
+    return Path(str(value_of(groups, MODEL_KEY))).expanduser()
+
+
+def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
     """The environment of the driver and (through ray_env) every Ray worker: the cluster
-    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs."""
+    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs (fresh: in a
+    directory emptied first, recipes.dapo.local_checks.set_aside)."""
     from recipes.dapo.cluster import job_env as cluster_env
 
     return {
         **cluster_env("cpu", None),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         # verl's file logger truncates its file: each launch (a resume too) gets its own
-        "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS)),
+        "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS, fresh)),
     }
 
 
-def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float = 0.9,
+def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float = 0.9,
            console=None, world: int = 1) -> int:  # fmt: skip
-    """Export, reload check, routing report, reward curve, summary (after verl returns); with
+    """Export against `model` (the trained one: its config and tokenizer), reload check,
+    routing report, reward curve, summary (after verl returns); with
     a console (recipes.dapo.console) what that work prints goes to the run's log, and the
     summary is the last thing on screen."""
     with console.capture() if console else nullcontext():
-        summary = _finish_files(out, hf_dir, wall_s, verl_s, target, world)
+        summary = _finish_files(out, model, wall_s, verl_s, target, world)
     if console:
         console.close()
     print_summary(summary)
@@ -73,17 +87,17 @@ def finish(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float 
     return 0 if diff is not None and diff < 1e-4 else 1
 
 
-def _finish_files(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target: float,
+def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
                   world: int) -> dict:  # fmt: skip
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
     from recipes.local.export import check_export
 
     history = read_history(out / METRICS)
     actor = latest_actor_checkpoint(out / "checkpoints")
-    paths: dict = {"tensorboard": out / "tensorboard", "checkpoint": actor}
+    paths: dict = {"model": model, "tensorboard": out / "tensorboard", "checkpoint": actor}
     diff = None
     if actor is not None:
-        export_dir, diff = check_export(actor, hf_dir, out / "export_hf")
+        export_dir, diff = check_export(actor, model, out / "export_hf")
         paths["export"] = export_dir
         paths.update(routing_report(actor / "moe_report.json", out))
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
@@ -91,10 +105,11 @@ def _finish_files(out: Path, hf_dir: Path, wall_s: float, verl_s: float, target:
                          world=world, export_max_logits_diff=diff)  # fmt: skip
 
 
-def next_metrics_file(folder: Path) -> Path:
-    """<out>/metrics/launch_NNN.jsonl, one past the newest."""
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"launch_{len(list(folder.glob('launch_*.jsonl'))):03d}.jsonl"
+def next_metrics_file(folder: Path, fresh: bool = False) -> Path:
+    """<out>/metrics/launch_NNN.jsonl, one past the newest (the first when fresh); nothing
+    is created."""
+    done = 0 if fresh else len(list(folder.glob("launch_*.jsonl")))
+    return folder / f"launch_{done:03d}.jsonl"
 
 
 def read_history(folder: Path) -> list[dict]:
@@ -115,11 +130,14 @@ def read_history(folder: Path) -> list[dict]:
     return [{"step": step, **data} for step, data in sorted(rows.items())]
 
 
-def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
-        debug: bool = False, watch=None) -> int:  # fmt: skip
-    """verl's trainer through the launcher's console (recipes.dapo.console), then finish. A
+def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = False,
+        watch=None) -> int:  # fmt: skip
+    """verl's trainer through the launcher's console (recipes.dapo.console), then finish on
+    the model it trained (`trained_model`: the built one, or the user's directory). A
     checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster). watch: a
-    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address)."""
+    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
+    start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
+    console's start-up lines count from it."""
     from backend.monitor.alarms import AlarmRules
     from recipes.dapo.cluster import run_command
     from recipes.dapo.console import open_console
@@ -129,7 +147,8 @@ def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
     env = resolved.run.env
     index = int(Path(env["VERL_FILE_LOGGER_PATH"]).stem.removeprefix("launch_"))
     console = open_console(out, index, verbose, resolved.run.steps, env["TENSORBOARD_DIR"],
-                           AlarmRules(**TOY_ALARMS), debug=debug)  # fmt: skip
+                           AlarmRules(**TOY_ALARMS), debug=debug, device="cpu",
+                           started=t0)  # fmt: skip
     try:
         console.header(resolved.describe())
         code = run_command(resolved.command, env, console, watch)
@@ -138,7 +157,7 @@ def run(resolved, out: Path, hf_dir: Path, t0: float, verbose: bool = False,
             lost = failure_line(watch, resolved.run.ckpt_dir, resume="relaunch with --resume")
             print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
             return code
-        return finish(out, hf_dir, time.perf_counter() - t0, verl_s, console=console,
-                      world=resolved.run.plan.world)  # fmt: skip
+        return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
+                      console=console, world=resolved.run.plan.world)  # fmt: skip
     finally:
         console.close()

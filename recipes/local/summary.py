@@ -36,7 +36,7 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
 def comm_share_summary(history: list[dict], world: int = 1) -> dict:
     """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
     is over 30% (backend.comm_share.comm_share_warning, the steps' mean seconds as its parts; the
-    advice for one node of `world` ranks)."""
+    advice for one CPU box of `world` ranks: gloo named as the cause)."""
     from backend.comm_share import CommLayout, comm_share_warning
 
     rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
@@ -44,14 +44,14 @@ def comm_share_summary(history: list[dict], world: int = 1) -> dict:
         return {}
     keys = {k for r in rows for k in r if k.startswith(ACTOR_TIMING)}
     means = {k.removeprefix("actor/"): sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-    warning = comm_share_warning(rows[-1]["step"], means, layout=CommLayout(world))
+    warning = comm_share_warning(rows[-1]["step"], means, layout=CommLayout(world, device="cpu"))
     return {
         "comm_share_mean": round(means["timing/comm_share"], 4),
         "comm_share_warning": warning.line() if warning else None,
     }
 
 
-def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
+def plot_reward_curve(history: list[dict], path: Path, target: float, model: str = "tiny") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +65,7 @@ def plot_reward_curve(history: list[dict], path: Path, target: float) -> Path:
     ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:g}")
     ax.set_xlabel("step")
     ax.set_ylim(-2.1, 1.05)
-    ax.set_title("verl DAPO, tiny Qwen3-MoE, megatron-core actor on CPU")
+    ax.set_title(f"verl DAPO, Qwen3-MoE {model}, megatron-core actor on CPU")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -94,13 +94,22 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
         "steps_per_min": round(
             60 * len(steps) / max(sum(r.get("timing_s/step", 0) for r in steps), 1e-9), 2
         ),
-        "reward_curve": str(plot_reward_curve(history, out / "reward_curve.png", target)),
+        "reward_curve": str(
+            plot_reward_curve(history, out / "reward_curve.png", target, _model_name(paths))
+        ),
         **comm_share_summary(history, world),
         **{k: str(v) if v is not None else None for k, v in paths.items()},
         **extra,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _model_name(paths: dict) -> str:
+    """The trained model as the plot names it: a built one by its name (tiny_hf: tiny), else
+    its directory's name."""
+    model = paths.get("model")
+    return Path(model).name.removesuffix("_hf") if model else "tiny"
 
 
 def print_summary(summary: dict) -> None:
@@ -118,7 +127,7 @@ def print_summary(summary: dict) -> None:
               "(mean of actor/timing/comm_share)")  # fmt: skip
     if summary.get("comm_share_warning"):
         print(summary["comm_share_warning"])
-    for key in ("reward_curve", "routing_report", "routing_html", "tensorboard", "export",
+    for key in ("model", "reward_curve", "routing_report", "routing_html", "tensorboard", "export",
                 "checkpoint"):  # fmt: skip
         if summary.get(key):
             print(f"{key}: {summary[key]}")

@@ -1,0 +1,126 @@
+"""The model a local run trains, chosen and checked before anything is written or started.
+
+`--model` takes `tiny` (the default), `mini` (both built by the run, recipes.local.models) or
+the directory of the user's own small HF Qwen3-MoE with its tokenizer, used in place (nothing
+copied). A pass-through `-- actor_rollout_ref.model.path=DIR` is the same as `--model DIR`:
+the same checks, and the finish exports against it; both naming different models is refused.
+A directory is checked for what verl and vLLM's CPU backend read: config.json of model_type
+qwen3_moe, safetensors weights, a tokenizer with a chat template (verl's dataloader applies
+it to every prompt); recipes.dapo.local_checks then checks the plan and vLLM's CPU limits
+against its config. Each problem: one line (LaunchError) naming it and the fix.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.dapo import overrides
+from recipes.dapo.cluster import LaunchError
+from recipes.local import models
+
+MODEL_KEY = "actor_rollout_ref.model.path"
+FLAG_HELP = (
+    "the model to train: cluster run: the HF checkpoint dir of Qwen3-30B-A3B (config.json + "
+    "safetensors); local run: tiny (8 experts, top-2; the default), mini (128 experts, top-8) "
+    "or the dir of your own small HF Qwen3-MoE with its tokenizer and chat template "
+    "(docs/cpu_run.md)"
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str  # tiny | mini | the directory as given
+    path: Path  # where verl reads it: <out>/<name>_hf for a built one, else the directory
+    config: dict  # its config.json (a built one's in memory until it is written)
+    built: bool  # made by the run (recipes.local.models.make_built)
+    tokens: int | None = None  # a built one's tokenizer length before it is written
+
+    def describe(self) -> str:
+        """The dry run's line naming the model."""
+        c = self.config  # transformers 5 saves num_experts as num_local_experts
+        experts = c.get("num_experts", c.get("num_local_experts"))
+        shape = f"{experts} experts, top-{c.get('num_experts_per_tok')}"
+        if self.built:
+            return f"model: {self.name} ({shape}; built once in {self.path})"
+        return f"model: {self.path} ({shape}; your HF Qwen3-MoE, used in place)"
+
+
+def choose(flag: str | None, extra: list[str], out: Path) -> LocalModel:
+    """The model of `--model` and the pass-through overrides, checked (one line each)."""
+    passed = [i.split("=", 1)[1] for i in extra if "=" in i and overrides.key_of(i) == MODEL_KEY]
+    given = Path(passed[-1]).expanduser() if passed else None
+    if flag is not None and given is not None and _as_dir(flag) != given.absolute():
+        raise LaunchError(
+            f"--model {flag} and -- {MODEL_KEY}={passed[-1]} name different models: pass one "
+            "(--model takes tiny, mini or a directory)"
+        )
+    if given is not None:
+        return checked_dir(given, f"{MODEL_KEY}={passed[-1]}")
+    name = flag or models.DEFAULT
+    if name in models.BUILT:
+        if models.shape(name) is None:
+            raise LaunchError(
+                f"--model {name}: this tree's parallel.models has no {models.SHAPE_NAMES[name]}, "
+                f"so the {name} model is not available here: use --model tiny or a directory"
+            )
+        path = models.built_dir(out, name)
+        config = models.built_config(name)
+        if (path / "config.json").is_file():  # made by an earlier launch in this directory
+            config = json.loads((path / "config.json").read_text())
+        return LocalModel(name, path, config, True, models.tokenizer_length())
+    return checked_dir(Path(name).expanduser(), f"--model {name}")
+
+
+def _as_dir(flag: str) -> Path | None:
+    return None if flag in models.BUILT else Path(flag).expanduser().absolute()
+
+
+def checked_dir(path: Path, label: str) -> LocalModel:
+    """The user's model directory: what verl's trainer and the rollout read, present."""
+    from converters.hf_io import CheckpointError, shard_files
+
+    fix = "pass the directory of a small HF Qwen3-MoE with its tokenizer, or --model tiny"
+    if not (path / "config.json").is_file():
+        raise LaunchError(f"{label} has no config.json: {fix}")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"{label}: config.json is not JSON ({e}): {fix}") from None
+    if config.get("model_type") != "qwen3_moe":
+        raise LaunchError(
+            f"{label}: config.json's model_type is {config.get('model_type')!r}, not "
+            f"'qwen3_moe': the mcore_ep actor trains Qwen3-MoE models; {fix}"
+        )
+    try:
+        shard_files(path)
+    except CheckpointError:
+        raise LaunchError(
+            f"{label} has no safetensors weights (model.safetensors or "
+            "model.safetensors.index.json and its shards): save the model there with "
+            "save_pretrained(safe_serialization=True)"
+        ) from None
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise LaunchError(
+            f"{label} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the model's "
+            "tokenizer there (tokenizer.save_pretrained)"
+        )
+    if not _has_chat_template(path):
+        raise LaunchError(
+            f"{label} has no chat template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json), which verl's dataloader applies to every prompt: save "
+            "one with the tokenizer (tokenizer.chat_template = ...; save_pretrained)"
+        )
+    return LocalModel(str(path), path.absolute(), config, False)
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    tokenizer_config = path / "tokenizer_config.json"
+    if not tokenizer_config.is_file():
+        return False
+    try:
+        return bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+    except json.JSONDecodeError:
+        return False

@@ -1,0 +1,115 @@
+"""The local run's `--model` (recipes.dapo.local_model): tiny by default, mini where
+parallel.models defines it, or the user's own HF Qwen3-MoE directory, which the dry run
+names, the launch trains in place and the finish exports against. The broken directories
+are rows of tests/bad_inputs_model.py."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from recipes.dapo import cluster, launch, resolution
+from recipes.local import run as local_run
+
+pytestmark = pytest.mark.no_mcore
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> Path:
+    """A small valid HF Qwen3-MoE directory with its tokenizer: the tiny model, renamed."""
+    from recipes.local.models import make_built
+
+    built = make_built(tmp_path_factory.mktemp("built"), "tiny")
+    return Path(shutil.copytree(built, tmp_path_factory.mktemp("user") / "my_moe"))
+
+
+def _resolve(argv: list[str]):
+    own, extra = resolution.split_argv(argv)
+    return resolution.resolve_local(resolution.build_parser().parse_args(own), extra)
+
+
+def test_a_dry_run_on_a_valid_dir_names_it_and_writes_nothing(user_model, tmp_path, capsys):
+    """Catches --model DIR refused as cluster-only, or the dry run still naming the tiny model."""
+    out = tmp_path / "run"
+    assert launch.main(["--device", "cpu", "--model", str(user_model), "--ckpt-dir", str(out),
+                        "--dry-run"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"model: {user_model} (8 experts, top-2; your HF Qwen3-MoE, used in place)" in printed
+    assert f"actor_rollout_ref.model.path={user_model}" in printed
+    assert "tiny_hf" not in printed and not out.exists()
+
+
+@pytest.mark.parametrize("how", ["--model", "pass-through"])
+def test_the_launch_trains_and_finishes_on_the_users_dir(how, user_model, tmp_path, monkeypatch):
+    """Catches the bug users met: the run trained DIR, then the finish exported against
+    <out>/tiny_hf (`checkpoint has global shape (32, 128), tiny_hf implies (32, 64)`). Either
+    way of naming DIR, verl gets it, no tiny model is built, and finish gets DIR."""
+    started, finished = [], []
+    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(cluster, "run_command", lambda cmd, *a, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(
+        local_run, "finish", lambda out, model, *a, **k: finished.append(model) or 0
+    )
+    out = tmp_path / "run"
+    named = (["--model", str(user_model)] if how == "--model"
+             else ["--", f"actor_rollout_ref.model.path={user_model}"])  # fmt: skip
+    assert launch.main(["--steps", "2", "--ckpt-dir", str(out), *named]) == 0
+    assert f"actor_rollout_ref.model.path={user_model}" in started[0]
+    assert finished == [user_model]
+    assert not [p.name for p in out.iterdir() if p.name.endswith("_hf")]  # used in place
+
+
+def test_finish_exports_against_the_model_it_is_given(user_model, tmp_path, monkeypatch):
+    """The finish's export and reload check take the trained model's dir as their template
+    (a fake run dir: a checkpoint path, no verl)."""
+    from recipes.dapo import health
+    from recipes.local import export
+
+    actor, templates = tmp_path / "checkpoints" / "global_step_3" / "actor", []
+    monkeypatch.setattr(health, "latest_actor_checkpoint", lambda root: actor)
+    monkeypatch.setattr(health, "routing_report", lambda *a: {})
+    monkeypatch.setattr(
+        export, "check_export", lambda a, template, o: templates.append((a, template)) or (o, 0.0)
+    )
+    (tmp_path / "metrics").mkdir()
+    summary = local_run._finish_files(tmp_path, user_model, 1.0, 1.0, 0.9, 1)
+    assert templates == [(actor, user_model)]
+    assert summary["model"] == str(user_model) and summary["export"] == str(tmp_path / "export_hf")
+
+
+def test_trained_model_is_what_verl_was_given(user_model, tmp_path):
+    """`trained_model` reads the merged overrides: the built model by default, the user's
+    directory through --model or the pass-through override."""
+    out = tmp_path / "run"
+    default, _, model = _resolve(["--ckpt-dir", str(out), "--dry-run"])
+    assert local_run.trained_model(default.groups) == out / "tiny_hf" == model.path
+    for argv in (
+        ["--model", str(user_model)],
+        ["--", f"actor_rollout_ref.model.path={user_model}"],
+    ):
+        resolved, _, _ = _resolve(["--ckpt-dir", str(out), "--dry-run", *argv])
+        assert local_run.trained_model(resolved.groups) == user_model
+
+
+MINI = dict(num_experts=128, num_experts_per_tok=8)  # a stand-in shape: tiny with 128 experts
+
+
+def test_mini_only_where_parallel_models_defines_it(tmp_path, monkeypatch, capsys):
+    """Catches `--model mini` building a model this tree has no shape for; where the shape
+    exists, the run builds it in <out>/mini_hf, never the tiny_hf an earlier tiny run left
+    in the directory (its config is not read for the plan either)."""
+    import parallel.models
+    from parallel.models import TINY_QWEN3_MOE
+
+    out = tmp_path / "run"
+    (out / "tiny_hf").mkdir(parents=True)
+    (out / "tiny_hf" / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    monkeypatch.delattr(parallel.models, "MINI_QWEN3_MOE", raising=False)
+    assert launch.main(["--device", "cpu", "--model", "mini", "--ckpt-dir", str(out)]) == 2
+    assert "has no MINI_QWEN3_MOE, so the mini model is not available" in capsys.readouterr().err
+    monkeypatch.setattr(parallel.models, "MINI_QWEN3_MOE", {**TINY_QWEN3_MOE, **MINI},
+                        raising=False)  # fmt: skip
+    resolved, _, model = _resolve(["--model", "mini", "--ckpt-dir", str(out), "--dry-run"])
+    assert model.path == out / "mini_hf" and local_run.trained_model(resolved.groups) == model.path
+    assert resolved.model_line == f"model: mini (128 experts, top-8; built once in {model.path})"
+    assert sorted(p.name for p in out.iterdir()) == ["tiny_hf"]  # the dry run wrote nothing
