@@ -54,6 +54,32 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
 )
 
+# The mini Qwen3-MoE (recipes/local/tiny_model.py builds it with shape="mini"): Qwen3-30B-A3B's
+# routing at full count (128 experts, top-8, renormalised) and its attention's GQA 8:1 with
+# qk-norm, at a width CPUs train (4 layers: pp 2 and 4 divide them). Every size is one vLLM's
+# CPU backend serves (recipes/local/cpu_limits.py: head_dim 32, hidden and expert slices
+# multiples of 32); the vocabulary and special ids are the toy task's character tokenizer's
+# (recipes/local/task.py: VOCAB_SIZE, <|endoftext|> 0, <|im_end|> 2; a test checks both).
+MINI_QWEN3_MOE = dict(
+    vocab_size=32,
+    hidden_size=128,
+    intermediate_size=384,  # dense MLP size as in the real model (3 x hidden); no layer uses it
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
 DEFAULT_MODEL_NAME = "Qwen3-30B-A3B"
 
 

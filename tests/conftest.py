@@ -1,12 +1,12 @@
-"""Shared fixtures: a tiny random Qwen3-MoE checkpoint and a world-size-1 megatron setup; the
-no_mcore mark's order and check."""
+"""Shared fixtures: the tiny and the mini random Qwen3-MoE checkpoints and a world-size-1
+megatron setup; the no_mcore mark's order and check."""
 
 import sys
 
 import pytest
 import torch
 
-from recipes.local.tiny_model import make_tiny_checkpoint, tiny_config
+from recipes.local.tiny_model import make_checkpoint, make_tiny_checkpoint, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,12 @@ def tiny_hf_model(tiny_hf_dir):
         tiny_hf_dir, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def mini_hf_dir(tmp_path_factory):
+    """The mini model (128 experts, top-8: parallel.models.MINI_QWEN3_MOE) saved, seed 0."""
+    return make_checkpoint(tmp_path_factory.mktemp("mini_qwen3_moe"), "mini", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -131,3 +131,52 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
 def nll_token_mean(log_probs, micro_batch):
     loss = -log_probs.sum() / (BATCH * (SEQ - 1))
     return loss, {"loss": loss.detach()}
+
+
+def experts_chosen_SBK(routing_map_TE: torch.Tensor, seq: int, k: int) -> torch.Tensor:
+    """A router call's routing map (sequence-major tokens) as its experts' ids [S, B, K],
+    ascending per token."""
+    per_token = routing_map_TE.sum(-1)
+    if not (per_token == k).all():  # a token dropped or sent to more experts than top-k
+        raise AssertionError(f"tokens routed to {per_token.unique().tolist()} experts, not {k}")
+    ids_TK = routing_map_TE.nonzero()[:, 1].reshape(-1, k)  # nonzero walks each row in order
+    return ids_TK.reshape(seq, -1, k)
+
+
+def routed_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1) -> dict:
+    """Forward only at this plan: the logits (full vocabulary, last stage) and, per layer this
+    rank routes, the experts chosen for its tokens [S(/tp), B/dp, K] (sequence parallel: the
+    TP rank's contiguous slice of S)."""
+    from backend.device import prepare_device
+
+    prepare_device("cpu")
+    from backend.forward import forward_logits
+    from backend.router_tap import RouterTap
+
+    model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep, pp=pp, etp=etp)
+    ids = global_batch(spec.vocab_size).chunk(groups.size("dp"))[groups.rank("dp")]
+    seq_local = SEQ // tp  # sequence parallel whenever tp > 1
+    chosen = {}
+
+    def record(call):
+        chosen[call.layer] = experts_chosen_SBK(call.routing_map_TE, seq_local, spec.top_k)
+
+    tap = RouterTap(model.eval(), groups)
+    tap.add_listener(record)
+    stage, last_stage = groups.rank("pp"), groups.rank("pp") == groups.size("pp") - 1
+    pp_ranks = dist.get_process_group_ranks(groups.pp)
+    with torch.no_grad():
+        if stage > 0:  # the previous stage's hidden states [S(/tp), B, H]
+            received = torch.empty(seq_local, ids.shape[0], model.config.hidden_size)
+            dist.recv(received, pp_ranks[stage - 1])
+            model.set_input_tensor(received)
+        out = forward_logits(model, ids)
+        if not last_stage:
+            dist.send(out.contiguous(), pp_ranks[stage + 1])
+    tap.remove()
+    return {
+        "dp_rank": groups.rank("dp"),
+        "tp_rank": groups.rank("tp"),
+        "logits": _gather_vocab(out, groups) if last_stage else None,
+        "chosen": chosen,
+    }

@@ -1,4 +1,6 @@
-"""The CPU run's toy task: its problems, data files and score."""
+"""The CPU run's toy task: its problems, data files and score; the mini model it can serve."""
+
+import json
 
 import pandas as pd
 import pytest
@@ -36,3 +38,36 @@ def test_data_files_hold_the_problems_in_verls_columns(tmp_path):
 )
 def test_score_reads_the_leading_digits(response, score):
     assert compute_score("math_dapo", response, "2")["score"] == score
+
+
+def test_mini_checkpoint_with_the_tasks_tokenizer_is_one_vllms_cpu_backend_serves(tmp_path):
+    """The mini model as the local run would serve it (its checkpoint and the task's character
+    tokenizer in one folder): no limit of vLLM's CPU backend hit at the run's rollout TP, its
+    vocabulary and special ids the tokenizer's, Qwen3-30B-A3B's routing and GQA kept, its
+    layers split by pp 2 and 4, and the pad token's embedding row drawn (a zero row made the
+    first update's gradient an outlier: tests/test_first_update.py). Catches a size that vLLM
+    pads or refuses (head_dim, hidden or expert slice off 32) or a vocabulary the tokenizer
+    does not name."""
+    from transformers import AutoTokenizer
+
+    from backend.qwen3_moe import load_qwen3_moe_spec
+    from converters.hf_io import read_state_dict
+    from recipes.local.cpu_limits import problems
+    from recipes.local.overrides import ROLLOUT_TP
+    from recipes.local.task import VOCAB_SIZE, write_tokenizer
+    from recipes.local.tiny_model import make_checkpoint
+
+    hf_dir = write_tokenizer(make_checkpoint(tmp_path / "mini", "mini", seed=0))
+    assert problems(hf_dir, ROLLOUT_TP) == []
+    config = json.loads((hf_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert config["vocab_size"] == len(tokenizer) == VOCAB_SIZE
+    assert (config["pad_token_id"], config["eos_token_id"]) == (
+        tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )  # fmt: skip
+    spec = load_qwen3_moe_spec(hf_dir)  # either spelling of the expert count
+    assert (spec.num_experts, spec.top_k, spec.norm_topk_prob) == (128, 8, True)
+    assert spec.num_heads // spec.num_kv_heads == 8
+    assert spec.num_layers % 4 == 0
+    pad_row = read_state_dict(hf_dir)["model.embed_tokens.weight"][config["pad_token_id"]]
+    assert pad_row.norm() > 0.1  # a drawn row of 128 at std 0.02: ~0.23

@@ -467,45 +467,6 @@ def test_p99_is_the_nearest_rank_percentile():
     assert summary(torch.cat((diffs, torch.ones(1))))["actor/rollout_logprob_abs_diff/p99"] == 1.0
 
 
-@pytest.mark.slow
-def test_r3_under_tp_and_ep_with_recompute_routes_as_the_rollout(tiny_hf_dir):
-    """2 gloo ranks: sequence-parallel slices and EP dispatch, recompute on; tp2, ep2,
-    tp2 x ep2 and pp2 (vLLM's uint8 routes) in one spawn (megatron-core 0.12.1 cannot run
-    tp=2 with ep=1 and etp=1). Each DP replica's ranks together check exactly the tokens it
-    fed: catches a fed token the router never routes as a real one (each row's first token
-    marked as padding in the micro-batch's mask), as the world-1 test does, on every plan."""
-    from packaging.version import Version
-
-    from backend.compat import mcore_version
-    from tests.multiproc import run_plans
-
-    # pp2 without recompute: under 1F1B a backward's recompute follows the next forward, so
-    # Watch could not tell whose tokens it routes (the engine's own handling of that:
-    # tests/test_pipeline_engine.py)
-    plans = [(2, 1, True), (1, 2, True), (2, 2, True), (1, 1, False, 2, "vllm")]
-    if mcore_version() < Version("0.13"):
-        plans.remove((2, 1, True))
-    for (tp, ep, recompute, *pp), results in zip(
-        plans, run_plans(r3_update_rank, 2, plans, str(tiny_hf_dir)), strict=True
-    ):
-        for rank, result in enumerate(results):
-            assert (result["update"][2] > 0) == recompute, f"tp={tp} ep={ep} rank {rank}"
-            # pp=2 (uint8 routes as vLLM returns them): each stage is handed its layer only
-            layers = (rank, 1) if pp else (0, LAYERS)
-            assert result["given"] == {(*layers, torch.uint8)}, f"tp={tp} ep={ep} rank {rank}"
-        for phase in ("old_log_prob", "update"):
-            # each rank checks its sequence-parallel slice or its stage's layer: a DP
-            # replica's ranks add up
-            checked: dict[int, int] = {}
-            for rank, result in enumerate(results):
-                seen, wrong, _ = result[phase]
-                where = f"tp={tp} ep={ep} pp={pp[:1]} rank {rank} {phase}"
-                assert wrong == 0, where
-                checked[result["dp_rank"]] = checked.get(result["dp_rank"], 0) + seen
-            fed = fed_router_tokens(recompute and phase == "update")
-            assert checked == dict.fromkeys(checked, fed), f"tp={tp} ep={ep} {phase}: {checked}"
-
-
 @pytest.mark.parametrize("mode", ["disabled", "R3"])
 def test_update_route_match_counts_the_experts_the_update_used(engine_of, mode):
     """`moe/update_route_match`: the share of response tokens whose experts used in the update

@@ -1,25 +1,36 @@
-"""A tiny random Qwen3-MoE, written as an HF checkpoint by transformers itself.
+"""The tiny and the mini random Qwen3-MoE, written as HF checkpoints by transformers itself.
 
-Its shape (parallel.models.TINY_QWEN3_MOE, where the planner's model configs live) is the
-architecture of Qwen3-30B-A3B shrunk so CPU runs take seconds.
+Their shapes (parallel.models.TINY_QWEN3_MOE and MINI_QWEN3_MOE, where the planner's model
+configs live) are the architecture of Qwen3-30B-A3B shrunk: the tiny one so CPU runs take
+seconds (8 experts, top-2), the mini one at the real routing's count (128 experts, top-8)
+and GQA 8:1, at a width CPUs still train.
 """
 
 from pathlib import Path
 
 import torch
 
-from parallel.models import TINY_QWEN3_MOE
+from parallel.models import MINI_QWEN3_MOE, TINY_QWEN3_MOE
+
+SHAPES = {"tiny": TINY_QWEN3_MOE, "mini": MINI_QWEN3_MOE}
+
+
+def model_config(shape: str = "tiny", **overrides):
+    """A Qwen3MoeConfig of SHAPES[shape]; keyword overrides win."""
+    from transformers import Qwen3MoeConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    return Qwen3MoeConfig(**{**SHAPES[shape], **overrides})
 
 
 def tiny_config(**overrides):
     """A Qwen3MoeConfig with the tiny shape; keyword overrides win."""
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
+    return model_config("tiny", **overrides)
 
 
-def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Randomly initialise the tiny model and save_pretrained it (safetensors) to out_dir.
+def make_checkpoint(out_dir: str | Path, shape: str = "tiny", seed: int = 0, **overrides) -> Path:
+    """Randomly initialise the model of `shape` and save_pretrained it (safetensors) to out_dir.
 
     Every embedding row is drawn, the pad token's too, as in a pretrained checkpoint:
     transformers' init zeroes the row of `pad_token_id` (nn.Embedding's padding_idx), and a
@@ -33,7 +44,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Pat
     from transformers.utils import logging
 
     torch.manual_seed(seed)
-    config = tiny_config(**overrides)
+    config = model_config(shape, **overrides)
     pad_token_id, config.pad_token_id = config.pad_token_id, None
     model = Qwen3MoeForCausalLM(config)
     model.config.pad_token_id = model.generation_config.pad_token_id = pad_token_id
@@ -46,3 +57,8 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Pat
         if shown:
             logging.enable_progress_bar()
     return out
+
+
+def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """The tiny model's checkpoint (make_checkpoint with shape "tiny")."""
+    return make_checkpoint(out_dir, "tiny", seed, **overrides)
