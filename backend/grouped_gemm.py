@@ -49,8 +49,13 @@ def grouped_linear(
 
 
 def _loop(x_TK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    # unbind, not w_ENK[e]: each index's backward writes its grad into a zero [E, N, K]
+    # tensor (E of them per pass); unbind's backward stacks once. At 128 experts the pass
+    # took 3-7x less time (bit-identical outputs and gradients).
     chunks = x_TK.split(counts_E.tolist())
-    return torch.cat([chunk @ w_ENK[e].t() for e, chunk in enumerate(chunks)])
+    return torch.cat(
+        [chunk @ w_NK.t() for chunk, w_NK in zip(chunks, w_ENK.unbind(0), strict=True)]
+    )
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
