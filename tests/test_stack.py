@@ -40,7 +40,9 @@ def nothing_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(cluster, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
     monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
     monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
-    run = SimpleNamespace(plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path))
+    run = SimpleNamespace(
+        plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path), device="npu"
+    )
     plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"], groups={})
     monkeypatch.setattr(launch, "resolve", lambda *a: plan)
     return started

@@ -99,7 +99,9 @@ def test_the_console_shows_a_line_per_step_and_the_summary_last(run3):
     steps = [m.groups() for line in lines if (m := STEP_ROW.match(line))]
     assert steps == [("1", "3"), ("2", "3"), ("3", "3")]
     assert len(lines) - len(steps) <= CONSOLE_FIXED and 35 + CONSOLE_FIXED < 300
-    assert lines[-1].startswith("wall time: ") and "alarms: none" in lines
+    # the alarms' count line: a router collapsed as it came may fire at step 1 (alarms.py)
+    assert lines[-1].startswith("wall time: ")
+    assert sum(line.startswith("alarms: ") for line in lines) == 1
     log = out / "logs" / "launch_000.log"
     assert f"log: {log}" in lines
     logged = log.read_text()
