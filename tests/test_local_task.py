@@ -71,3 +71,56 @@ def test_mini_checkpoint_with_the_tasks_tokenizer_is_one_vllms_cpu_backend_serve
     assert spec.num_layers % 4 == 0
     pad_row = read_state_dict(hf_dir)["model.embed_tokens.weight"][config["pad_token_id"]]
     assert pad_row.norm() > 0.1  # a drawn row of 128 at std 0.02: ~0.23
+
+
+def test_sums_write_their_working_and_verls_scorer_grades_the_answer_line():
+    """The mini model's task: a line per addition, then DAPO's "Answer: N", graded by verl's
+    own math_dapo (no scorer of ours). Catches working that skips a running total, an answer
+    line verl's Minerva parser does not read, or a single operand given working."""
+    from verl.utils.reward_score import default_compute_score
+
+    from recipes.local.sums import Sum
+
+    s = Sum((2, 1, 3))
+    assert (s.prompt, s.working, s.answer) == ("2+1+3=", "2+1=3\n3+3=6\nAnswer: 6", "6")
+    assert Sum((4,)).working == "Answer: 4"
+    assert default_compute_score("math_dapo", s.working, "6")["acc"] is True
+    assert default_compute_score("math_dapo", "2+1=3\n3+3=7\nAnswer: 7", "6")["acc"] is False
+
+
+def test_sums_response_lengths_vary_4x_within_a_batch(tmp_path):
+    """The issue's shape: responses whose lengths vary at least 4x within a train batch (8
+    prompts), the longest inside max_response_length without the overlong buffer, every
+    running total a single digit. Catches a task whose answers are all one length, or
+    whose longest answer the overlong buffer would penalise."""
+    from transformers import AutoTokenizer
+
+    from recipes.local.overrides import SUMS
+    from recipes.local.sums import MAX_RESPONSE_TOKENS, draw_sums
+    from recipes.local.task import write_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok"))
+    sums = draw_sums(512, seed=0)
+    lengths = [len(tok(s.working)["input_ids"]) + 1 for s in sums]  # + <|im_end|>
+    assert (min(lengths), max(lengths)) == (10, MAX_RESPONSE_TOKENS)
+    assert MAX_RESPONSE_TOKENS <= SUMS["max_response_length"] - SUMS["overlong_buffer"]
+    assert all(sum(s.operands) <= 9 for s in sums)
+    batches = [lengths[i : i + 8] for i in range(0, len(lengths), 8)]
+    spread = sorted(max(b) / min(b) for b in batches)
+    assert spread[len(spread) // 2] >= 2.5 and spread[-1] >= 4  # median batch and widest
+    prompts = [len(tok.apply_chat_template([{"role": "user", "content": s.prompt}],
+                                           add_generation_prompt=True)) for s in sums]  # fmt: skip
+    assert max(prompts) <= SUMS["max_prompt_length"]
+
+
+def test_sums_data_files_rl_and_sft_in_verls_columns(tmp_path):
+    from recipes.local.sums import write_sums_data
+
+    paths = write_sums_data(tmp_path, train=20, val=6, sft=10)
+    train, val, sft = (pd.read_parquet(paths[k]) for k in ("train", "val", "sft"))
+    assert (len(train), len(val), len(sft)) == (20, 6, 10)
+    assert set(train["data_source"]) == {"math_dapo"}
+    first = sft["messages"][0]
+    assert [m["role"] for m in first] == ["user", "assistant"]
+    operands = map(int, first[0]["content"].removesuffix("=").split("+"))
+    assert first[1]["content"].endswith(f"Answer: {sum(operands)}")

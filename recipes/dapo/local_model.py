@@ -35,12 +35,16 @@ class LocalModel:
     config: dict  # its config.json (a built one's in memory until it is written)
     built: bool  # made by the run (recipes.local.models.make_built)
     tokens: int | None = None  # a built one's tokenizer length before it is written
+    task: str = "doubles"  # recipes.local.overrides.TASKS
 
     def describe(self) -> str:
         """The dry run's line naming the model."""
         c = self.config  # transformers 5 saves num_experts as num_local_experts
         experts = c.get("num_experts", c.get("num_local_experts"))
         shape = f"{experts} experts, top-{c.get('num_experts_per_tok')}"
+        if self.built and self.name in models.WARMED:
+            return (f"model: {self.name} ({shape}; built, then an SFT warm-up on the {self.task} "
+                    f"task, once, in {self.path})")  # fmt: skip
         if self.built:
             return f"model: {self.name} ({shape}; built once in {self.path})"
         return f"model: {self.path} ({shape}; your HF Qwen3-MoE, used in place)"
@@ -64,11 +68,12 @@ def choose(flag: str | None, extra: list[str], out: Path) -> LocalModel:
                 f"--model {name}: this tree's parallel.models has no {models.SHAPE_NAMES[name]}, "
                 f"so the {name} model is not available here: use --model tiny or a directory"
             )
-        path = models.built_dir(out, name)
+        path = models.rl_dir(out, name)
         config = models.built_config(name)
         if (path / "config.json").is_file():  # made by an earlier launch in this directory
             config = json.loads((path / "config.json").read_text())
-        return LocalModel(name, path, config, True, models.tokenizer_length())
+        return LocalModel(name, path, config, True, models.tokenizer_length(),
+                          models.TASK_OF[name])  # fmt: skip
     return checked_dir(Path(name).expanduser(), f"--model {name}")
 
 

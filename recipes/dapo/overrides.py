@@ -67,6 +67,7 @@ class RunSpec:
     # the running cluster verl's ray.init() attaches to (None: the one Ray finds from this
     # node; the embedded CPU run starts its own)
     ray_address: str | None = None
+    task: str = "doubles"  # the embedded run's task (recipes.local.overrides.TASKS)
     repo: Path = Path(__file__).resolve().parents[2]
 
 

@@ -282,6 +282,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
         "cpu", plan, fit, str(model.path), str(data_dir / "train.parquet"),
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
         steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
+        task=model.task,
     )  # fmt: skip
     built = overrides.build(run)
     groups, replaced = overrides.merge(built, extra)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 BUILT = ("tiny", "mini")
 DEFAULT = "tiny"
+# each model's task (recipes.local.overrides.TASKS): the mini model answers worked sums from
+# an SFT warm-up (recipes.local.warmup); the tiny one and a user's directory the doubles
+TASK_OF = {"tiny": "doubles", "mini": "sums"}
+WARMED = ("mini",)  # RL starts from <out>/sft_hf, the warm-up's export
 SHAPE_NAMES = {"tiny": "TINY_QWEN3_MOE", "mini": "MINI_QWEN3_MOE"}
 # the ids of the task's tokenizer (recipes.local.task: <|endoftext|> pads, <|im_end|> ends)
 TOKEN_IDS = dict(eos_token_id=2, pad_token_id=0)
@@ -28,6 +32,13 @@ def shape(name: str) -> dict | None:
 
 def built_dir(out: Path, name: str) -> Path:
     return out / f"{name}_hf"
+
+
+def rl_dir(out: Path, name: str) -> Path:
+    """Where RL reads the built model: the warm-up's export for a WARMED one."""
+    from recipes.local.warmup import warmed_dir
+
+    return warmed_dir(out) if name in WARMED else built_dir(out, name)
 
 
 def partial_dir(out: Path, name: str) -> Path:

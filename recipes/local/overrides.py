@@ -37,7 +37,22 @@ TOY = dict(
     inflight_gen_batches=2,
     test_freq=5,
     val_n=8,  # 8 samples of each validation prompt: a steadier yardstick
+    score="task",  # recipes/local/task.py's compute_score (the leading digits)
 )
+# the mini model's task (recipes.local.sums): worked sums of 10-40 tokens; the policy comes
+# from the SFT warm-up (recipes.local.warmup), so RL refines it at a lower learning rate
+SUMS = dict(
+    TOY,
+    max_prompt_length=40,  # the ChatML prompt of six operands is 31 tokens
+    # the longest worked answer is 40 tokens (sums.MAX_RESPONSE_TOKENS); the overlong buffer
+    # penalises what runs past it, up to -1 at the limit: a policy that does not stop
+    max_response_length=48,
+    overlong_buffer=8,
+    lr=2e-4,
+    score="verl",  # verl's math_dapo on "Answer: N", nothing of ours
+)
+TASKS = {"doubles": TOY, "sums": SUMS}
+RUN_NAMES = {"doubles": "tiny-qwen3-moe", "sums": "qwen3-moe-sums"}  # the experiment's name
 
 
 # run-health alarms (backend.monitor.alarms.AlarmRules; the rest at their defaults), for the
@@ -52,23 +67,23 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 def cpu_overrides(run) -> dict[str, dict]:
     """{concern: {override: value}} for the embedded run (run: recipes.dapo.overrides.RunSpec)."""
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-    world = run.plan.world
+    world, task = run.plan.world, TASKS[run.task]
     return {
         "data": {
-            "data.max_prompt_length": TOY["max_prompt_length"],
-            "data.max_response_length": TOY["max_response_length"],
-            "data.train_batch_size": TOY["train_batch_size"],
+            "data.max_prompt_length": task["max_prompt_length"],
+            "data.max_response_length": task["max_response_length"],
+            "data.train_batch_size": task["train_batch_size"],
             "data.dataloader_num_workers": 0,
         },
         "algorithm": {
-            "algorithm.filter_groups.max_inflight_gen_batches": TOY["inflight_gen_batches"]
+            "algorithm.filter_groups.max_inflight_gen_batches": task["inflight_gen_batches"]
         },
         "policy": {
-            f"{a}.ppo_mini_batch_size": TOY["mini_batch_size"],
+            f"{a}.ppo_mini_batch_size": task["mini_batch_size"],
             f"{a}.ppo_max_token_len_per_gpu": 4096,
-            f"{a}.ppo_epochs": TOY["ppo_epochs"],
-            f"{a}.optim.lr": TOY["lr"],
-            f"{a}.optim.lr_warmup_steps": TOY["warmup_steps"],
+            f"{a}.ppo_epochs": task["ppo_epochs"],
+            f"{a}.optim.lr": task["lr"],
+            f"{a}.optim.lr_warmup_steps": task["warmup_steps"],
         },
         "rollout": {
             # one vLLM engine per actor rank (verl's replicas): the CPU MoE kernel pads expert
@@ -78,35 +93,41 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"+{r}.enable_sleep_mode": False,  # vLLM's sleep mode is CUDA/ROCm/XPU only
             f"{r}.free_cache_engine": False,  # (it would need sleep mode)
             f"+{r}.engine_kwargs.vllm.kv_cache_memory_bytes": KV_CACHE_BYTES,
-            f"{r}.n": TOY["n"],
-            f"{r}.max_num_batched_tokens": 256,
+            f"{r}.n": task["n"],
+            f"{r}.max_num_batched_tokens": 256 if run.task == "doubles" else 512,
             f"{r}.log_prob_max_token_len_per_gpu": 4096,
             f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
             f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
             f"{r}.agent.num_workers": 2,
-            f"{r}.val_kwargs.n": TOY["val_n"],
+            f"{r}.val_kwargs.n": task["val_n"],
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
         },
         "reward": {
             "reward.num_workers": 1,
-            "+reward.reward_kwargs.max_resp_len": TOY["max_response_length"],
-            "+reward.reward_kwargs.overlong_buffer_cfg.len": TOY["overlong_buffer"],
-            "reward.custom_reward_function.path": str(run.repo / "recipes/local/task.py"),
-            "reward.custom_reward_function.name": "compute_score",
+            "+reward.reward_kwargs.max_resp_len": task["max_response_length"],
+            "+reward.reward_kwargs.overlong_buffer_cfg.len": task["overlong_buffer"],
+            **(_task_score(run) if task["score"] == "task" else {}),
         },
         "trainer": {
             "trainer.save_freq": run.save_freq,
-            "trainer.test_freq": TOY["test_freq"],  # validation reward: the run's yardstick
+            "trainer.test_freq": task["test_freq"],  # validation reward: the run's yardstick
             "trainer.val_before_train": True,
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
-            "trainer.experiment_name": f"tiny-qwen3-moe-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
+            "trainer.experiment_name": f"{RUN_NAMES[run.task]}-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
             + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
             "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
             **({} if run.ray_address else embedded_ray(world)),
         },
+    }
+
+
+def _task_score(run) -> dict:
+    return {
+        "reward.custom_reward_function.path": str(run.repo / "recipes/local/task.py"),
+        "reward.custom_reward_function.name": "compute_score",
     }
 
 

@@ -37,15 +37,22 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny") -> tuple[Path | None,
     pass); returns the built model's directory (None for a directory) and the data files."""
     from transformers.utils.logging import disable_progress_bar
 
-    from recipes.local.models import BUILT, make_built
+    from recipes.local.models import BUILT, TASK_OF, make_built
+    from recipes.local.sums import write_sums_data
     from recipes.local.task import write_data
+    from recipes.local.warmup import warm_up
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
     hf_dir = make_built(out, model, seed) if model in BUILT else None
+    task = TASK_OF.get(model, "doubles")
     data_dir = out / "data"
-    files = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
+    files = {
+        s: data_dir / f"{s}.parquet" for s in ("train", "val", "sft")[: 3 if task == "sums" else 2]
+    }
     if not all(p.is_file() for p in files.values()):
-        files = write_data(data_dir)
+        files = write_sums_data(data_dir, seed=seed) if task == "sums" else write_data(data_dir)
+    if task == "sums":
+        hf_dir = warm_up(out, hf_dir, files["sft"])
     (out / METRICS).mkdir(exist_ok=True)
     return hf_dir, files
 

@@ -15,7 +15,7 @@ from pathlib import Path
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # every character a prompt, an answer or the ChatML template ("user", "assistant") needs,
 # one token each: a small vocabulary keeps the first right answers likely enough to learn from
-CHARS = ("\n", *"0123456789", "+", "-", "*", "=", *"aeinrstu")
+CHARS = ("\n", *"0123456789", "+", "-", "*", "=", *"aeinrstu", "A", "w", ":", " ")  # "Answer: "
 VOCAB = (*SPECIALS, *CHARS)
 VOCAB_SIZE = 32  # the model's vocabulary: VOCAB, then reserved tokens up to a round size
 # the tokenizer names every id the model can emit: verl's vLLM rollout bans ids past the

@@ -1,0 +1,99 @@
+"""The mini model's task: sums of one to six small digits, the working written out.
+
+"2+1+3=" is answered "2+1=3\n3+3=6\nAnswer: 6": a line per addition with the running total,
+then DAPO's "Answer: N", which verl's own math_dapo scorer grades (data_source `math_dapo`,
+no reward function of ours). A single digit ("2=") is answered "Answer: 2". The responses run
+from 10 tokens (one operand, with <|im_end|>) to 40 (six), so a batch's lengths vary 4x, and a
+policy that does not stop meets the dapo reward manager's overlong buffer.
+
+The running total stays a single digit (the sum is at most 9): each line is then one fact of
+a small table the model learns in its warm-up (recipes.local.warmup: verl's SFT trainer on our
+engine); RL then has to make the facts and the stop reliable at temperature 1.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipes.local.task import DATA_SOURCE
+
+MAX_OPERANDS = 6
+MAX_DIGIT = 3  # operands 0..3; a sum over 9 is drawn again
+MAX_SUM = 9
+MAX_RESPONSE_TOKENS = 40  # six operands: 5 working lines of 6 + "Answer: N" + <|im_end|>
+
+
+@dataclass(frozen=True)
+class Sum:
+    operands: tuple[int, ...]
+
+    @property
+    def prompt(self) -> str:
+        return "+".join(map(str, self.operands)) + "="
+
+    @property
+    def answer(self) -> str:
+        return str(sum(self.operands))
+
+    @property
+    def working(self) -> str:
+        """The response a solved policy writes (without its <|im_end|>)."""
+        lines, total = [], self.operands[0]
+        for x in self.operands[1:]:
+            lines.append(f"{total}+{x}={total + x}")
+            total += x
+        return "".join(f"{line}\n" for line in lines) + f"Answer: {total}"
+
+
+def draw_sums(count: int, seed: int) -> list[Sum]:
+    """`count` sums, the number of operands uniform over 1..MAX_OPERANDS, digits uniform over
+    0..MAX_DIGIT, redrawn while the sum exceeds MAX_SUM."""
+    rng = random.Random(seed)
+    sums = []
+    while len(sums) < count:
+        k = rng.randint(1, MAX_OPERANDS)
+        operands = tuple(rng.randint(0, MAX_DIGIT) for _ in range(k))
+        if sum(operands) <= MAX_SUM:
+            sums.append(Sum(operands))
+    return sums
+
+
+def rl_row(s: Sum, index: int, split: str) -> dict:
+    """A DAPO row as verl's RL dataset reads it: chat prompt, data_source, ground truth."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": s.prompt}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": s.answer},
+        "extra_info": {"split": split, "index": index, "operands": len(s.operands)},
+    }
+
+
+def sft_row(s: Sum) -> dict:
+    """A conversation as verl's MultiTurnSFTDataset reads it (`messages`)."""
+    return {
+        "messages": [
+            {"role": "user", "content": s.prompt},
+            {"role": "assistant", "content": s.working},
+        ]
+    }
+
+
+def write_sums_data(out: Path, train: int = 4096, val: int = 48, sft: int = 2048,
+                    seed: int = 0) -> dict:  # fmt: skip
+    """train.parquet / val.parquet (RL, DAPO rows) and sft.parquet (the warm-up's
+    conversations) under `out`; the validation sums are drawn apart from the rest."""
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {s: out / f"{s}.parquet" for s in ("train", "val", "sft")}
+    pd.DataFrame([rl_row(s, i, "train") for i, s in enumerate(draw_sums(train, seed))]).to_parquet(
+        paths["train"]
+    )
+    pd.DataFrame([rl_row(s, i, "val") for i, s in enumerate(draw_sums(val, seed + 1))]).to_parquet(
+        paths["val"]
+    )
+    pd.DataFrame([sft_row(s) for s in draw_sums(sft, seed + 2)]).to_parquet(paths["sft"])
+    (out / "task.json").write_text(json.dumps({"task": "sums", "max_operands": MAX_OPERANDS}))
+    return paths

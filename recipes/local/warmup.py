@@ -1,0 +1,203 @@
+"""The SFT warm-up: verl's own SFT trainer (verl/trainer/sft_trainer.py) on our mcore_ep engine.
+
+RL from random weights cannot earn a binary reward on the sums task (recipes.local.sums),
+so the local run starts from a policy that speaks its format: a short SFT on the task's
+worked answers, made once per run directory. verl's SFT trainer builds its engine through
+TrainingWorker -> EngineRegistry, the registry that finds `mcore_ep` for RL: this module only
+composes its config (verl's sft_trainer_engine.yaml with our engine section in place of the
+FSDP one) and runs it on torchrun's ranks; the checkpoint it saves is our engine's, which
+converters export to the HF folder RL starts from.
+
+    python -m torch.distributed.run --standalone --nproc-per-node W -m recipes.local.warmup \
+        --model DIR --data sft.parquet --out DIR [--steps N] [--tp T --ep E]
+
+(the local run's warm_up starts it as one rank without torchrun's agent).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SFT_DIR, WORK_DIR = "sft_hf", "warmup"  # under the run directory: the warmed model, the work
+PROGRESS_EVERY_S = 15.0
+ENGINE_TARGET = "recipes.dapo.config.McoreEpEngineConfig"
+ENGINE_MODULE = "recipes.dapo.engine"
+WARMUP = dict(steps=60, batch=32, lr=3e-3, warmup_steps=5, max_length=96)
+
+
+def sft_config(
+    model: Path, data: Path, out: Path, steps: int, plan: dict, world: int, save_freq: int = -1
+):
+    """verl's SFT config (Hydra-composed from its package) for our engine on this run."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files={data}",
+        "data.val_files=null",
+        f"data.train_batch_size={WARMUP['batch']}",
+        f"data.micro_batch_size_per_gpu={WARMUP['batch'] // max(1, world // plan['tp'])}",
+        f"data.max_length={WARMUP['max_length']}",
+        "data.use_dynamic_bsz=False",
+        "data.pad_mode=no_padding",
+        "data.num_workers=0",
+        f"optim.lr={WARMUP['lr']}",
+        f"optim.lr_warmup_steps={WARMUP['warmup_steps']}",
+        "optim.lr_scheduler_type=constant",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=100",
+        f"trainer.default_local_dir={out}",
+        "trainer.logger=[console,file]",
+        f"trainer.save_freq={save_freq}",
+        "trainer.test_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.device=cpu",
+        f"trainer.n_gpus_per_node={world}",
+        "checkpoint.save_contents=[model]",
+    ]
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("sft_trainer_engine", overrides=overrides)
+    OmegaConf.set_struct(cfg, False)
+    cfg.model.external_lib = ENGINE_MODULE
+    cfg.engine = OmegaConf.create(
+        {
+            "_target_": ENGINE_TARGET,
+            "strategy": "mcore_ep",
+            "tensor_model_parallel_size": plan["tp"],
+            "expert_model_parallel_size": plan["ep"],
+            "monitor": {"enable": False, "log_dir": None},
+        }
+    )
+    return cfg
+
+
+class WarmupError(RuntimeError):
+    """The warm-up's trainer or export failed: the message names its log."""
+
+
+def warmed_dir(out: Path) -> Path:
+    return out / SFT_DIR
+
+
+def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
+            say=print) -> Path:  # fmt: skip
+    """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (exported under a
+    partial name, then renamed: a killed warm-up is never taken for a model). verl's SFT
+    trainer runs on one torchrun rank of our engine; its whole output goes to
+    <out>/warmup/log.txt and `say` gets a progress line every PROGRESS_EVERY_S seconds."""
+    final = warmed_dir(out)
+    if (final / "tokenizer.json").is_file():
+        return final
+    work = out / WORK_DIR
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    log, metrics = work / "log.txt", work / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "recipes.local.warmup", "--model", str(base), "--data",
+           str(sft_data), "--out", str(work / "checkpoints"), "--steps", str(steps)]  # fmt: skip
+    t0 = time.perf_counter()
+    say(f"warm-up: {steps} SFT steps (verl's SFT trainer on the mcore_ep engine), log {log}")
+    with open(log, "w") as sink:
+        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env(metrics))
+        next_line_s = PROGRESS_EVERY_S
+        while child.poll() is None:
+            time.sleep(0.5)
+            if time.perf_counter() - t0 >= next_line_s:
+                say(_progress(metrics, steps, time.perf_counter() - t0))
+                next_line_s += PROGRESS_EVERY_S
+    if child.returncode != 0:
+        raise WarmupError(f"the SFT warm-up failed (exit {child.returncode}): see {log}")
+    _export(work / "checkpoints" / f"global_step_{steps}", base, out / f".{SFT_DIR}.partial", final)
+    say(_progress(metrics, steps, time.perf_counter() - t0, done=True))
+    return final
+
+
+def _env(metrics: Path) -> dict[str, str]:
+    """One rank of its own world (torchrun's variables, without its agent process)."""
+    from recipes.local.overrides import CPU_ENV
+
+    env = {**os.environ, **CPU_ENV, "VERL_FILE_LOGGER_PATH": str(metrics)}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # one rank: the cores are its own
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_metrics(metrics: Path) -> dict:
+    """verl's file logger's last complete row {step, data} ({} before the first step)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+def _progress(metrics: Path, steps: int, elapsed_s: float, done: bool = False) -> str:
+    row = last_metrics(metrics)
+    loss = row.get("data", {}).get("train/loss")
+    at = f"step {row.get('step', 0)}/{steps}" + (f", loss {loss:.3f}" if loss is not None else "")
+    return f"warm-up: {'done, ' if done else ''}{at} ({elapsed_s:.0f}s)"
+
+
+def _export(checkpoint: Path, template: Path, partial: Path, final: Path) -> None:
+    """converters' mcore-to-hf of the warm-up's checkpoint, config and tokenizer from
+    `template`; renamed into place once whole."""
+    from converters.cli import main as converters_main
+
+    shutil.rmtree(partial, ignore_errors=True)
+    args = ["mcore-to-hf", str(checkpoint), str(partial), "--template", str(template),
+            "--no-progress"]  # fmt: skip
+    if converters_main(args) != 0:
+        raise WarmupError(f"export of the warm-up's checkpoint {checkpoint} failed")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.local.warmup")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=WARMUP["steps"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--save-freq", type=int, default=-1)
+    args = p.parse_args(argv)
+    import torch.distributed as dist
+    from verl.trainer.sft_trainer import SFTTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = sft_config(args.model, args.data, args.out, args.steps,
+                     {"tp": args.tp, "ep": args.ep}, world, args.save_freq)  # fmt: skip
+    # verl's run_sft asks for "cpu:gloo,cpu:gloo" on a CPU host, which torch refuses: the
+    # group is ours to make (gloo), the trainer is verl's
+    dist.init_process_group("gloo")
+    try:
+        SFTTrainer(config=cfg).fit()
+    finally:
+        dist.destroy_process_group()
+    (args.out / "warmup.json").write_text(json.dumps({"steps": args.steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
