@@ -85,7 +85,7 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     assert re.fullmatch(r"run\.\d{8}T\d{6}Z", moved.name) and moved.parent == tmp_path
     assert snapshot(moved) == first  # every file of the first run, byte for byte
     assert seen[1] == ["data", "logs", "metrics", "tiny_hf"]  # it started afresh: no checkpoints
-    assert sorted(p.name for p in (out / "logs").iterdir()) == ["launch_000.log"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["cleanup.log", "launch_000.log"]
     assert (out / "checkpoints/global_step_10/actor/weights.bin").read_bytes() == b"second run"
     assert sorted(p.name for p in (out / "metrics").iterdir()) == ["launch_000.jsonl"]
     # the moved run can still be continued where it now lies

@@ -17,7 +17,9 @@ and shows on the console only:
   (recipes.dapo.tracebacks holds it until the child ended or outlived it); a refusal is left
   in the log, its message in `refusal` for the launcher's one line (`debug=True`: its
   traceback is shown as well);
-- on a failure, the last lines of the log (from the dying traceback's start when longer).
+- on a failure, the last lines of the log (from the dying traceback's start when longer); a
+  failed start of Ray (recipes.dapo.ray_start retries it, `next_attempt`) shows nothing: the
+  launcher says it in one line.
 On a terminal a status line (progress, elapsed time, the latest line) shows the run is alive.
 `verbose=True` shows every line as it comes (the stream as it was), alarms included; the
 child's tracebacks are held as without it.
@@ -122,6 +124,7 @@ class Console:
     steps: int = 0
     tracebacks: Tracebacks = field(default_factory=Tracebacks)  # the child's own, held
     refusal: str | None = None  # the checkpoint refusal the failed child's traceback ends with
+    start_failure: str | None = None  # how Ray's start failed, if that ended the child
     _started: float = field(default_factory=time.perf_counter)
     startup: Startup | None = None
     _status_at: float = 0.0
@@ -239,9 +242,14 @@ class Console:
             self.child_over = True
             self._clear_status()
             self.refusal = self.tracebacks.refusal() if code != 0 else None
+            failed_start = code != 0 and not self.steps  # nothing trained: Ray's start?
+            self.start_failure = self.tracebacks.start_failure() if failed_start else None
             held = self.tracebacks.release()
-            if self.refusal and not self.debug:
+            if (self.refusal or self.start_failure) and not self.debug:
                 held = []  # in the log; the launcher tells the refusal in one line
+            if self.start_failure:  # the launcher retries, or stops with one line
+                self._show_held(held)
+                return
             failed = code != 0 and not self.refusal and not self.verbose
             if not failed:
                 self._show_held(held)
@@ -270,6 +278,16 @@ class Console:
             ending = [clean(raw) for raw in held] if len(held) > len(self.tail) else self.tail
             self.say(*(f"  {line}" for line in ending))
         self.say(f"log: {self.log_path}")
+
+    def next_attempt(self, note: str) -> None:
+        """The same command is run again (recipes.dapo.ray_start): `note` on the console and in
+        the log; the last child's state forgotten (its warnings stay shown once)."""
+        with self._lock:
+            self.log.write(f"--- {note} ---\n")
+            self.say(note)
+            self.child_over, self.start_failure = False, None
+            self.tracebacks = Tracebacks()
+            self.tail.clear()
 
     @contextmanager
     def capture(self):

@@ -104,10 +104,12 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
                 started: float | None = None) -> int:  # fmt: skip
     """verl's entry point through the console, watching the cluster's nodes (`watch`,
     recipes.dapo.lost_node); then the routing report with the alarms. A checkpoint the engine
-    refused raises its CheckpointError (recipes.dapo.cluster). started: the launcher's start
+    refused raises its CheckpointError (recipes.dapo.cluster). The driver and what it started
+    on this machine end with the run (recipes.dapo.run_scope). started: the launcher's start
     (launched_at), whence the console's start-up lines count."""
     from recipes.dapo.console import next_index, open_console
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
+    from recipes.dapo.run_scope import RunScope
 
     run_dir = Path(resolved.run.ckpt_dir)
     console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
@@ -115,7 +117,10 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
                            device=resolved.run.device, started=started)  # fmt: skip
     try:
         console.header(resolved.describe())
-        code = cluster.run_command(resolved.command, resolved.run.env, console, watch)
+        with RunScope(run_dir / "logs") as scope:  # the driver's processes end with the run
+            console.log.write(f"run id: {scope.id} (temp dir {scope.tmp}; {scope.log})\n")
+            env = {**resolved.run.env, **scope.env}
+            code = cluster.run_command(resolved.command, env, console, watch)
         actor = latest_actor_checkpoint(run_dir) if code == 0 else None
         with console.capture():
             written = routing_report(actor / "moe_report.json", run_dir) if actor else {}

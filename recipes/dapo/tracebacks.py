@@ -10,6 +10,8 @@ are held. When the child exited and they end in a refusal, `refusal()` is its me
 launcher stops with it in one line, exit 2; the traceback stays in the run's log, and reaches
 the console too with --debug); otherwise the console shows them, and so it does when the
 child outlives them by HOLD_S (a traceback it logged and survived).
+A failed start of the embedded Ray (`start_failure`, Ray's own words in RAY_START_FAILURES) is
+told apart the same way: recipes.dapo.ray_start retries it.
 """
 
 import re
@@ -23,6 +25,13 @@ RECOGNISED_LINES = 400  # of the last traceback on, where a refusal is looked fo
 # "[rankN]: "; Ray's worker lines carry a "(Name pid=N)" prefix: not the child's own)
 STARTS = re.compile(
     r"(\[rank\d+\]: )?(Error executing job with overrides:|Traceback \(most recent)"
+)
+# Ray's words when its local start fails (ray/_private/node.py, ray._raylet's port wait), as the
+# exception line of the child's own traceback, -> the launcher's words for it
+RAY_START_FAILURES = (
+    (re.compile(r"^Exception: The current node timed out during startup"), "timed out"),
+    (re.compile(r"^RuntimeError: Timed out waiting for file \S*gcs_server_port"), "timed out"),
+    (re.compile(r"^RuntimeError: Failed to start GCS"), "failed (its GCS did not start)"),
 )
 _PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\w+ pid=\d+[^)]*\)|\[rank\d+\]:)(\x1b\[[0-9;]*m)* ?")
 
@@ -50,6 +59,18 @@ def refusal_in(lines) -> str | None:
         for prefix in prefixes:
             if text.startswith(prefix):
                 found = text[len(prefix) :]
+    return found
+
+
+def start_failure_in(lines) -> str | None:
+    """How Ray's local start failed (RAY_START_FAILURES' words) if a traceback of the child's
+    own in `lines` ends that way; None otherwise (a Ray worker's prefixed line is not one)."""
+    found = None
+    for line in lines:
+        if _PREFIX.match(line):
+            continue
+        text = line.strip()
+        found = next((cause for p, cause in RAY_START_FAILURES if p.match(text)), found)
     return found
 
 
@@ -85,3 +106,7 @@ class Tracebacks:
     def refusal(self) -> str | None:
         """The refusal the last traceback ends with (asked once the child has failed)."""
         return refusal_in(self.last) if self.last else None
+
+    def start_failure(self) -> str | None:
+        """How Ray's start failed, if the last traceback says so (asked once the child failed)."""
+        return start_failure_in(self.last) if self.last else None

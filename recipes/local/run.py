@@ -141,7 +141,9 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
         watch=None) -> int:  # fmt: skip
     """verl's trainer through the launcher's console (recipes.dapo.console), then finish on
     the model it trained (`trained_model`: the built one, or the user's directory). A
-    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster). watch: a
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster), a Ray
+    that failed to start every attempt RayStartError (recipes.dapo.ray_start); the run's
+    processes and leftovers end with it (recipes.dapo.run_scope). watch: a
     recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
     start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
     console's start-up lines count from it."""
@@ -149,6 +151,8 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     from recipes.dapo.cluster import run_command
     from recipes.dapo.console import open_console
     from recipes.dapo.lost_node import failure_line
+    from recipes.dapo.ray_start import run_retrying
+    from recipes.dapo.run_scope import RunScope
     from recipes.local.overrides import TOY_ALARMS
 
     env = resolved.run.env
@@ -158,7 +162,13 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
                            started=t0)  # fmt: skip
     try:
         console.header(resolved.describe())
-        code = run_command(resolved.command, env, console, watch)
+        with RunScope(out / "logs") as scope:  # its processes and leftovers end with it
+            console.log.write(f"run id: {scope.id} (temp dir {scope.tmp}; {scope.log})\n")
+            job = {**env, **scope.env}
+            if watch is None:  # the embedded Ray: its start is retried when it fails
+                code = run_retrying(resolved.command, job, console, scope.reap)
+            else:
+                code = run_command(resolved.command, job, console, watch)
         verl_s = time.perf_counter() - t0
         if code != 0:
             lost = failure_line(watch, resolved.run.ckpt_dir, resume="relaunch with --resume")
