@@ -80,7 +80,7 @@ def sft_row(s: Sum) -> dict:
     }
 
 
-def write_sums_data(out: Path, train: int = 4096, val: int = 48, sft: int = 2048,
+def write_sums_data(out: Path, train: int = 4096, val: int = 16, sft: int = 2048,
                     seed: int = 0) -> dict:  # fmt: skip
     """train.parquet / val.parquet (RL, DAPO rows) and sft.parquet (the warm-up's
     conversations) under `out`; the validation sums are drawn apart from the rest."""
