@@ -3,7 +3,8 @@
 - ExpertLoadMonitor (monitor.py): counts tokens per expert per layer from a RouterTap,
   per labelled pass, reduced over ranks at each step end; flat `moe/...` metrics, tensorboard.
 - metrics.py: pure functions over a [layers x experts] count tensor.
-- report.py: the versioned JSON report; render.py / compare.py: HTML pages with PNG plots.
+- report.py: the versioned JSON report; render.py / compare.py: HTML pages with PNG plots
+  (render_experts.py: the hottest experts by id, the load per EP rank at ep 2 and 4).
 - alerts.py: SkewGuard (measured EP skew vs the memory plan's assumption) and RunWarning,
   one log line each, kept in the report's "warnings".
 - CLI: `python -m backend.monitor render|compare ...`.

@@ -5,7 +5,8 @@ from html import escape
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:2px 8px;
 text-align:right}th{background:#f3f3f3}img{max-width:100%;display:block;margin:1em 0}
-.flag{color:#b00}.log td{text-align:left}.log td:nth-child(-n+3){white-space:nowrap}"""
+.flag{color:#b00}.log td{text-align:left}.log td:nth-child(-n+3){white-space:nowrap}
+.t1 td:last-child,.t2 td:nth-last-child(-n+2){text-align:left}summary{cursor:pointer;margin:1em 0}"""
 
 
 def fmt(value) -> str:
@@ -25,6 +26,12 @@ def table(headers: list[str], rows: list[list], cls: str = "") -> str:
 
 def image(src: str, alt: str) -> str:
     return f'<a href="{escape(src)}"><img src="{escape(src)}" alt="{escape(alt)}"></a>'
+
+
+def details(summary: str, inner: str, open_: bool = False) -> str:
+    """A folded block (no script): `summary` shown, `inner` HTML on a click (or open)."""
+    attr = " open" if open_ else ""
+    return f"<details{attr}><summary>{escape(summary)}</summary>{inner}</details>"
 
 
 def heading(text: str, level: int = 2) -> str:

@@ -28,6 +28,12 @@ alarms read them so that one threshold means the same at 8 experts top-2 and 128
 - dead / E: the share of experts that got no token.
 All three are affine in the metric they come from, so a mean over updates (verl's reduction
 of a trainer step's metrics) maps to the mean of the shape-free values.
+
+The hottest experts (hottest_experts), named by (layer, expert), each with its share of the
+layer's assignments (1/E even), x the mean = count / mean count = share x E (1 even, E/K at
+most: every token picks it) and, given K, the share of tokens picking it = share x K (K/E
+even, 1 at most; hot_share of the busiest). EP-rank loads at other EP degrees than the run's
+(ep_degrees) reuse ep_rank_load_LR: counts are per global expert, placement is contiguous.
 """
 
 import math
@@ -110,6 +116,37 @@ def ep_max_over_mean_L(counts_LE, ep: int) -> torch.Tensor:
 def ep_straggler(counts_LE, ep: int) -> float:
     load_LR = ep_rank_load_LR(counts_LE, ep)
     return (load_LR.amax(-1).sum() / load_LR.mean(-1).sum()).item()
+
+
+def hottest_experts(counts_LE, n: int, top_k: int | None = None, per_layer: bool = False):
+    """The n busiest (layer, expert) pairs over all layers, busiest first (ties: lower layer,
+    then lower expert), or with per_layer the n busiest of each layer, layer by layer; each
+    {layer, expert, count, share, x_mean[, token_share]}. Empty layers name none."""
+    counts = as_counts(counts_LE)
+    share_LE = shares_LE(counts)
+    layers = [i for i in range(counts.shape[0]) if counts[i].sum() > 0]
+    if per_layer:
+        pairs = [(i, e) for i in layers for e in _busiest(counts[i], n)]
+    else:
+        pairs = [(i, e) for i in layers for e in range(counts.shape[1])]
+        pairs = sorted(pairs, key=lambda le: -share_LE[le].item())[:n]  # stable: ties in order
+    out = []
+    for layer, expert in pairs:
+        share = share_LE[layer, expert].item()
+        row = {"layer": layer, "expert": expert, "count": int(counts[layer, expert].item()),
+               "share": share, "x_mean": share * counts.shape[1]}  # fmt: skip
+        out.append(row | ({"token_share": share * top_k} if top_k else {}))
+    return out
+
+
+def _busiest(counts_E: torch.Tensor, n: int) -> list[int]:
+    order = sorted(range(len(counts_E)), key=lambda e: -counts_E[e].item())
+    return order[: max(0, min(n, len(order)))]
+
+
+def ep_degrees(num_experts: int, run_ep: int = 1, wanted: tuple[int, ...] = (2, 4)) -> list[int]:
+    """The EP degrees to show loads for: `wanted` and the run's own, those > 1 dividing E."""
+    return sorted({d for d in (*wanted, run_ep) if 1 < d <= num_experts and num_experts % d == 0})
 
 
 def layer_metrics(counts_LE, ep: int = 1) -> dict[str, torch.Tensor]:

@@ -1,9 +1,11 @@
 """Render one report to OUTDIR/index.html with PNG plots beside it.
 
 The page: the run and model in the title; what was recorded (trainer steps and the optimizer
-updates they hold); the alarms and warnings; per phase the expert-share heatmap, the
-imbalance over trainer steps (the phases on one axis) and the EP-rank load; the routing
-agreement and rollout log-prob mismatch over the steps; the router aux loss.
+updates they hold); the alarms and warnings; per phase the expert-load heatmap (load over the
+layer's mean, EP ranks' blocks marked), the hottest experts by id, the imbalance over trainer
+steps (the phases on one axis), the load per EP rank at ep 2, 4 and the run's own
+(render_experts) and the per-layer table; the routing agreement and rollout log-prob mismatch
+over the steps; the router aux loss.
 """
 
 import math
@@ -13,11 +15,13 @@ import numpy as np
 
 import backend.monitor.htmlpage as h
 import backend.monitor.plots as plots
+import backend.monitor.render_experts as experts
 from backend.monitor.metrics import layer_metrics, overall_metrics
 from backend.monitor.outdir import atomic_dir
 from backend.monitor.report import Report
 
 CURVE = "max_over_mean"
+LAYERS_OPEN = 8  # the per-layer table is unfolded up to this many layers
 AGREEMENT = "moe/routing_agreement/layer_{:02d}"
 LOGPROB_DIFF = tuple(f"actor/rollout_logprob_abs_diff/{s}" for s in ("mean", "p99", "max"))
 
@@ -58,30 +62,30 @@ def _meta_table(report: Report) -> str:
 
 def _phase_section(report: Report, phase: str, tmp: Path) -> list[str]:
     counts_LE, ep = report.cumulative(phase), report.ep
+    top_k = report.meta.get("top_k")
     parts = [h.heading(f"phase: {phase}")]
     overall = overall_metrics(counts_LE, ep)
     parts.append(h.table(["metric (all steps)", "value"], [list(kv) for kv in overall.items()]))
-    plots.save_png(
-        plots.heatmap_figure(counts_LE, f"{phase}: expert share, all steps"),
-        tmp / f"{phase}_heatmap.png",
-    )
-    parts.append(h.image(f"{phase}_heatmap.png", "expert share heatmap"))
+    title_ = f"{phase}: expert load / layer mean, all steps"
+    plots.save_png(plots.heatmap_figure(counts_LE, title_, ep), tmp / f"{phase}_heatmap.png")
+    parts.append(h.image(f"{phase}_heatmap.png", "expert load heatmap"))
+    parts += experts.hottest_section(counts_LE, top_k, ep, phase)
     steps, curve_SL = report.trainer_curve(phase, CURVE)
     if steps:
         fig = plots.imbalance_figure(steps, curve_SL, CURVE, f"{phase}: {CURVE} per layer",
                                      xlabel=report.axis_label)  # fmt: skip
         plots.save_png(fig, tmp / f"{phase}_imbalance.png")
         parts.append(h.image(f"{phase}_imbalance.png", "imbalance over steps"))
-    plots.save_png(
-        plots.ep_load_figure(counts_LE, ep, f"{phase}: EP-rank load (ep={ep})"),
-        tmp / f"{phase}_ep_load.png",
-    )
-    parts.append(h.image(f"{phase}_ep_load.png", "EP-rank load"))
+    parts += experts.ep_section(counts_LE, ep, phase, tmp)
     per_layer = layer_metrics(counts_LE, ep)
-    rows = [
-        [layer] + [v[layer].item() for v in per_layer.values()] for layer in range(report.shape[0])
-    ]
-    parts.append(h.table(["layer", *per_layer], rows))
+    names = experts.layer_names(counts_LE)
+    rows = [[layer] + [v[layer].item() for v in per_layer.values()] + list(names[layer])
+            for layer in range(report.shape[0])]  # fmt: skip
+    head = ["layer", *per_layer, f"hottest {experts.PER_LAYER_N} (x the mean)", "dead experts"]
+    table = h.table(head, rows, cls="t2")
+    layers = report.shape[0]
+    parts.append(h.details(f"{phase}: per-layer metrics ({layers} layers)", table,
+                           open_=layers <= LAYERS_OPEN))  # fmt: skip
     return parts
 
 
