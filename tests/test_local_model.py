@@ -110,6 +110,22 @@ def test_mini_only_where_parallel_models_defines_it(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(parallel.models, "MINI_QWEN3_MOE", {**TINY_QWEN3_MOE, **MINI},
                         raising=False)  # fmt: skip
     resolved, _, model = _resolve(["--model", "mini", "--ckpt-dir", str(out), "--dry-run"])
-    assert model.path == out / "mini_hf" and local_run.trained_model(resolved.groups) == model.path
-    assert resolved.model_line == f"model: mini (128 experts, top-8; built once in {model.path})"
+    assert model.path == out / "sft_hf" and local_run.trained_model(resolved.groups) == model.path
+    assert resolved.model_line == (
+        "model: mini (128 experts, top-8; built, then an SFT warm-up on the sums task, once, "
+        f"in {model.path})"
+    )
     assert sorted(p.name for p in out.iterdir()) == ["tiny_hf"]  # the dry run wrote nothing
+
+
+def test_warmup_steps_belong_to_the_mini_model(tmp_path, capsys):
+    """--warmup-steps on a model without a warm-up is one line, exit 2, before anything is
+    written: catches a flag silently ignored (the user believes the policy was warmed)."""
+    code = launch.main(["--device", "cpu", "--ckpt-dir", str(tmp_path / "r"), "--warmup-steps",
+                        "5", "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--warmup-steps applies to --model mini" in err
+    assert not (tmp_path / "r").exists()
+    resolved, out, model = _resolve(["--model", "mini", "--ckpt-dir", str(tmp_path / "m")])
+    assert model.warmed and model.path == out / "sft_hf" and resolved.run.task == "sums"
+    assert "SFT warm-up on the sums task" in resolved.describe()

@@ -4,8 +4,9 @@
 an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic sampling,
 our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
 build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
-verl's weight sync, the dapo reward manager, checkpoints in verl's layout. A few steps each;
-the learning curve itself is measured by the main command (docs/cpu_run.md). The resume
+verl's weight sync, the dapo reward manager, checkpoints in verl's layout. On the mini model
+(128 experts, top-8) at ep 2, after its SFT warm-up through verl's SFT trainer on the same
+engine (docs/mini_task.md). A few steps each; the learning curve itself is measured by the main command (docs/cpu_run.md). The resume
 (resume_mode=auto) after a lost node and past a half-written background save runs on a
 two-node Ray cluster (tests/test_ray_cluster.py).
 """
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
 REPO = Path(__file__).resolve().parents[1]
@@ -45,13 +47,51 @@ def history(out: Path) -> dict[int, dict]:
     return {row["step"]: row for row in read_history(out / "metrics")}
 
 
+# the mission's shape: the mini model (128 experts, top-8) at ep 2 on its worked sums, RL
+# from a short SFT warm-up through verl's SFT trainer on our engine (a policy right on some
+# sums, so that dynamic sampling finds groups with variance and evicts the rest); 8 samples
+# of each prompt keep a step to seconds
+MINI_EP2 = ("--model", "mini", "--ep", "2", "--warmup-steps", "20")
+MINI_OVERRIDES = ("actor_rollout_ref.rollout.n=8",)
+
+
 @pytest.fixture(scope="module")
 def run3(tmp_path_factory):
-    """Three steps at world 1, checkpoints after steps 2 and 3."""
+    """Three steps of the mini model at ep 2 after its warm-up, checkpoints after steps 2, 3."""
     out = tmp_path_factory.mktemp("cpu_dapo")
-    proc = launch(out, "--steps", "3", overrides=("trainer.save_freq=2",))
+    proc = launch(out, *MINI_EP2, "--steps", "3",
+                  overrides=("trainer.save_freq=2", *MINI_OVERRIDES))  # fmt: skip
     assert proc.returncode == 0
     return out, proc
+
+
+def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(run3):
+    """verl's SFT trainer on the mcore_ep engine (recipes.local.warmup): its loss fell, its
+    export holds trained weights (not the built model's) with the built model's tokenizer,
+    and RL read that folder. Catches an SFT pass that trains nothing (a loss mask or
+    optimizer not wired through our engine), an export of the base model, or RL started
+    from the random weights."""
+    from safetensors.torch import load_file
+
+    out, proc = run3
+    rows = [json.loads(x) for x in (out / "warmup" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["data"]["train/loss"] for r in rows]
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
+    base, sft = (
+        load_file(out / "mini_hf" / "model.safetensors"),
+        load_file(out / "sft_hf" / "model.safetensors"),
+    )
+    assert base.keys() == sft.keys()
+    assert not torch.equal(base["model.embed_tokens.weight"], sft["model.embed_tokens.weight"])
+    assert (out / "sft_hf" / "chat_template.jinja").read_text() == (
+        out / "mini_hf" / "chat_template.jinja"
+    ).read_text()
+    assert (
+        f"actor_rollout_ref.model.path={out / 'sft_hf'}"
+        in (out / "logs" / "launch_000.log").read_text()
+    )
+    shown = [line for line in proc.stdout.splitlines() if line.startswith("warm-up: ")]
+    assert shown[0].startswith("warm-up: 20 SFT steps") and shown[-1].startswith("warm-up: done")
 
 
 def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
@@ -68,7 +108,7 @@ def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
 
 def test_dynamic_sampling_evicts_groups_without_variance(run3):
     rows = history(run3[0])
-    # the random policy answers most prompts wrong n times out of n: those groups must go
+    # the briefly warmed policy answers many sums wrong n times out of n: those groups must go
     # (verl logs the count only for steps that evicted something)
     assert sum(row.get("training/filter_groups/evicted_samples", 0) for row in rows.values()) > 0
     assert all(row["critic/advantages/max"] > 0 for row in rows.values())
@@ -87,7 +127,8 @@ def test_monitor_and_aux_loss_act_inside_verls_update(run3):
     assert report["steps"], "the routing report holds the run's steps"
     # its step axis is verl's: 4 updates (mini-batches) in each of the 3 trainer steps
     assert [s["trainer_step"] for s in report["steps"]] == [1] * 4 + [2] * 4 + [3] * 4
-    assert report["meta"]["run"] == "tiny-qwen3-moe-cpu-tp1-ep1"
+    assert report["meta"]["run"] == "qwen3-moe-sums-cpu-tp1-ep2"
+    assert (report["meta"]["num_experts"], report["meta"]["top_k"]) == (128, 8)
     assert report["meta"]["trainer_steps"] == 3
 
 
@@ -137,9 +178,10 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
 
 
 def resumable_copy(src: Path, out: Path) -> Path:
-    """A run directory holding run3's model, data and its step-2 save as the latest."""
-    shutil.copytree(src / "tiny_hf", out / "tiny_hf")
-    shutil.copytree(src / "data", out / "data")
+    """A run directory holding run3's models (built and warmed), data and its step-2 save as
+    the latest."""
+    for made in ("mini_hf", "sft_hf", "data"):
+        shutil.copytree(src / made, out / made)
     shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     return out
@@ -157,7 +199,8 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     raw = bytearray((model / "__0_0.distcp").read_bytes())
     raw[offset + length // 2] ^= 0xFF
     (model / "__0_0.distcp").write_bytes(bytes(raw))
-    proc = launch(out, "--resume", "--steps", "3")
+    proc = launch(out, "--model", "mini", "--ep", "2", "--resume", "--steps", "3",
+                  overrides=MINI_OVERRIDES)  # fmt: skip
     assert proc.returncode == 2
     log = out / "logs" / "launch_000.log"  # the relaunch's own (no metrics launched before)
     assert proc.stderr == (

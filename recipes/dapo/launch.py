@@ -97,7 +97,7 @@ def prepare_local(out: Path, args, model: str) -> None:
 
     if not args.resume and local_checks.earlier_run(out):
         print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
-    prepare(out, seed=args.seed or 0, model=model)
+    prepare(out, seed=args.seed or 0, model=model, warmup_steps=args.warmup_steps)
 
 
 def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None,

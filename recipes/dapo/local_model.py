@@ -37,12 +37,17 @@ class LocalModel:
     tokens: int | None = None  # a built one's tokenizer length before it is written
     task: str = "doubles"  # recipes.local.overrides.TASKS
 
+    @property
+    def warmed(self) -> bool:
+        """RL starts from the SFT warm-up's export (recipes.local.warmup)."""
+        return self.built and self.name in models.WARMED
+
     def describe(self) -> str:
         """The dry run's line naming the model."""
         c = self.config  # transformers 5 saves num_experts as num_local_experts
         experts = c.get("num_experts", c.get("num_local_experts"))
         shape = f"{experts} experts, top-{c.get('num_experts_per_tok')}"
-        if self.built and self.name in models.WARMED:
+        if self.warmed:
             return (f"model: {self.name} ({shape}; built, then an SFT warm-up on the {self.task} "
                     f"task, once, in {self.path})")  # fmt: skip
         if self.built:

@@ -26,7 +26,7 @@ DESCRIPTION = (
 )
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
-LOCAL_ONLY = ("steps", "seed", "resume")
+LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps")
 LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
 
 
@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.add_argument(
         "--seed", type=int, default=None, help="random seed of a built model (tiny, mini)"
+    )
+    local.add_argument(
+        "--warmup-steps",
+        type=positive_int,
+        default=None,
+        help="SFT steps of the mini model's warm-up before RL, made once per --ckpt-dir "
+        "(default 60; docs/mini_task.md)",
     )
     local.add_argument(
         "--resume",
@@ -273,6 +280,11 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     data_dir = out / "data"
     model = local_model.choose(args.model, extra, out)
+    if args.warmup_steps is not None and not model.warmed:
+        raise LaunchError(
+            f"--warmup-steps applies to --model mini (its SFT warm-up), not to {model.name}: "
+            "drop it, or add --model mini"
+        )
     plan = checks.model_fit(model.config, *_local_layout(args, **dims), **dims).plan
     fresh = not args.resume and checks.earlier_run(out)  # the launch moves that run aside
     # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,

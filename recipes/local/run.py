@@ -31,7 +31,8 @@ def tiny_hf_config() -> dict:
     return built_config("tiny")
 
 
-def prepare(out: Path, seed: int = 0, model: str = "tiny") -> tuple[Path | None, dict]:
+def prepare(out: Path, seed: int = 0, model: str = "tiny",
+            warmup_steps: int | None = None) -> tuple[Path | None, dict]:  # fmt: skip
     """<out>/<model>_hf (a built model + tokenizer; none for a user's directory), <out>/data
     (train/val parquet) and <out>/metrics, made once (the launcher calls it once its checks
     pass); returns the built model's directory (None for a directory) and the data files."""
@@ -40,7 +41,7 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny") -> tuple[Path | None,
     from recipes.local.models import BUILT, TASK_OF, make_built
     from recipes.local.sums import write_sums_data
     from recipes.local.task import write_data
-    from recipes.local.warmup import warm_up
+    from recipes.local.warmup import WARMUP, warm_up
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
     hf_dir = make_built(out, model, seed) if model in BUILT else None
@@ -52,7 +53,7 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny") -> tuple[Path | None,
     if not all(p.is_file() for p in files.values()):
         files = write_sums_data(data_dir, seed=seed) if task == "sums" else write_data(data_dir)
     if task == "sums":
-        hf_dir = warm_up(out, hf_dir, files["sft"])
+        hf_dir = warm_up(out, hf_dir, files["sft"], warmup_steps or WARMUP["steps"])
     (out / METRICS).mkdir(exist_ok=True)
     return hf_dir, files
 

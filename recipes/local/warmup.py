@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 SFT_DIR, WORK_DIR = "sft_hf", "warmup"  # under the run directory: the warmed model, the work
@@ -112,7 +113,9 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
                 next_line_s += PROGRESS_EVERY_S
     if child.returncode != 0:
         raise WarmupError(f"the SFT warm-up failed (exit {child.returncode}): see {log}")
-    _export(work / "checkpoints" / f"global_step_{steps}", base, out / f".{SFT_DIR}.partial", final)
+    with open(log, "a") as sink, redirect_stdout(sink), redirect_stderr(sink):
+        _export(work / "checkpoints" / f"global_step_{steps}", base, out / f".{SFT_DIR}.partial",
+                final)  # fmt: skip
     say(_progress(metrics, steps, time.perf_counter() - t0, done=True))
     return final
 
