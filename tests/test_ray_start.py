@@ -174,3 +174,44 @@ def test_the_launcher_says_it_in_one_line_and_exits_2(tmp_path, monkeypatch, cap
     assert len(seen) == 3 and len(set(seen)) == 1 and not Path(seen[0][1]).exists()
     assert len(err.splitlines()) == 1 and err.startswith("error: Ray's local start timed out 3")
     assert out.count("retrying") == 2 and "Traceback" not in out
+
+
+# verl's driver on Ctrl-C: Ray's get() raises KeyboardInterrupt, Hydra prints the traceback,
+# the process exits 1
+INTERRUPTED = """
+import signal, sys, time
+def stop(signum, frame):
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print('  File "python/ray/includes/common.pxi", line 105, in check_status', file=sys.stderr)
+    print("KeyboardInterrupt", file=sys.stderr)
+    sys.exit(1)
+signal.signal(signal.SIGINT, stop)
+print("step:1 - actor/entropy:0.5", flush=True)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_is_one_line_and_130_never_a_retry(tmp_path, console):
+    """Catches issue 41's console on Ctrl-C: the driver's KeyboardInterrupt traceback on the
+    screen and `exited with status 1`. The launcher got SIGINT: the status is 130 (the CLI
+    contract), nothing retried, the traceback in the log only, and the line names what
+    resumes."""
+    import os
+    import signal
+    import threading
+
+    def press_ctrl_c():
+        while "step:1" not in console.log_path.read_text():
+            threading.Event().wait(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    code = ray_start.run_retrying([sys.executable, "-c", INTERRUPTED], {}, console)
+    assert code == 130
+    shown = console.out.getvalue()
+    assert "Traceback" not in shown and "KeyboardInterrupt" not in shown and "retrying" not in shown
+    assert "KeyboardInterrupt" in console.log_path.read_text()
+    assert cluster.interrupted_line(code, tmp_path / "none") == (
+        "stopped (SIGINT): no checkpoint was complete: a relaunch starts afresh"
+    )
+    assert cluster.interrupted_line(1, tmp_path) is None

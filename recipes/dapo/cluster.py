@@ -167,7 +167,9 @@ def check_ray(device: str, expected: int, address: str | None = None, env=None) 
 def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -> int:
     """The one place that starts the job's processes. SIGTERM and SIGINT to the launcher are
     passed on to the child (which stops its run and its Ray job), and the launcher waits for
-    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports).
+    it; the exit status is the child's (128 + N when signal N ended it, as a shell reports),
+    or 128 + N when the launcher itself got signal N (130 / 143: the user stopped the run,
+    whatever status the child made of it; the console then shows no traceback).
 
     console (recipes.dapo.console.Console): the child's stdout and stderr, merged, pass
     through its `feed` line by line; without one they go where this process's go. A
@@ -182,7 +184,7 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
                              **(piped if console else {}))  # fmt: skip
     if watch is not None:
         watch.follow(child)
-    with _signals_to(child):
+    with _signals_to(child) as received:
         if console:
             reader = threading.Thread(target=_pass_lines, args=(child.stdout, console),
                                       daemon=True)  # fmt: skip
@@ -193,10 +195,12 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
     if watch is not None:
         watch.close(failed=code != 0)
     code = 128 - code if code < 0 else code
+    if received:  # the user stopped the run: its status says so, whatever the child made of it
+        code = 128 + received[0]
     if console:
         # a process the child left behind may hold the pipe open: do not wait for it forever
         reader.join(timeout=READER_GRACE_S)
-        console.child_done(code)
+        console.child_done(code, interrupted=bool(received))
         if console.refusal:
             from converters.hf_io import CheckpointError
 
@@ -204,6 +208,19 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
                 f"{console.refusal} (the trainer's traceback: {console.log_path})"
             )
     return code
+
+
+def interrupted_line(code: int, ckpt_dir: str | Path) -> str | None:
+    """The one line of a run the user stopped (status 130 / 143), naming what resumes."""
+    if code not in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        return None
+    from recipes.dapo.lost_node import last_complete_checkpoint
+
+    name = "SIGINT" if code == 128 + signal.SIGINT else "SIGTERM"
+    last = last_complete_checkpoint(ckpt_dir)
+    where = (f"the last complete checkpoint is {last}: relaunch with --resume to continue from "
+             "it" if last else "no checkpoint was complete: a relaunch starts afresh")  # fmt: skip
+    return f"stopped ({name}): {where}"
 
 
 def _wait(child: subprocess.Popen, poll_s: float = 5.0) -> int | None:
@@ -220,16 +237,19 @@ def _pass_lines(stream, console) -> None:
 
 @contextmanager
 def _signals_to(child: subprocess.Popen):
-    """SIGINT / SIGTERM to this process go on to `child` meanwhile (main thread only)."""
+    """SIGINT / SIGTERM to this process go on to `child` meanwhile (main thread only); yields
+    the signals received, in order."""
+    received: list[int] = []
 
     def forward(signum, frame) -> None:
+        received.append(signum)
         child.send_signal(signum)
 
     forwarded = (signal.SIGINT, signal.SIGTERM)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in forwarded} if main_thread else {}
     try:
-        yield
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -234,7 +234,7 @@ class Console:
             if not self.verbose:
                 self.say(shown)
 
-    def child_done(self, code: int) -> None:
+    def child_done(self, code: int, interrupted: bool = False) -> None:
         """After the child ended: a refusal its traceback ends with (kept in `refusal`, not
         shown), else the traceback held till now; the most repeated warnings with their
         counts (all of them in the log), the alarms, the end of the log on a failure."""
@@ -242,15 +242,15 @@ class Console:
             self.child_over = True
             self._clear_status()
             self.refusal = self.tracebacks.refusal() if code != 0 else None
-            failed_start = code != 0 and not self.steps  # nothing trained: Ray's start?
+            failed_start = code != 0 and not self.steps and not interrupted  # Ray's start?
             self.start_failure = self.tracebacks.start_failure() if failed_start else None
             held = self.tracebacks.release()
-            if (self.refusal or self.start_failure) and not self.debug:
-                held = []  # in the log; the launcher tells the refusal in one line
+            if (self.refusal or self.start_failure or interrupted) and not self.debug:
+                held = []  # in the log; the launcher tells the refusal / the stop in one line
             if self.start_failure:  # the launcher retries, or stops with one line
                 self._show_held(held)
                 return
-            failed = code != 0 and not self.refusal and not self.verbose
+            failed = code != 0 and not self.refusal and not interrupted and not self.verbose
             if not failed:
                 self._show_held(held)
             self._summarise(code, held if failed else None)

@@ -129,7 +129,9 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
     for name, path in written.items():
         print(f"{name}: {path}")
     resume_hint = "relaunch the same command (trainer.resume_mode=auto resumes it)"
-    lost = lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
+    lost = cluster.interrupted_line(code, resolved.run.ckpt_dir) or (
+        lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
+    )
     if lost:
         print(lost, file=sys.stderr)
     return code

@@ -149,7 +149,7 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
     console's start-up lines count from it."""
     from backend.monitor.alarms import AlarmRules
-    from recipes.dapo.cluster import run_command
+    from recipes.dapo.cluster import interrupted_line, run_command
     from recipes.dapo.console import open_console
     from recipes.dapo.lost_node import failure_line
     from recipes.dapo.ray_start import run_retrying
@@ -172,7 +172,9 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
                 code = run_command(resolved.command, job, console, watch)
         verl_s = time.perf_counter() - t0
         if code != 0:
-            lost = failure_line(watch, resolved.run.ckpt_dir, resume="relaunch with --resume")
+            lost = interrupted_line(code, resolved.run.ckpt_dir) or failure_line(
+                watch, resolved.run.ckpt_dir, resume="relaunch with --resume"
+            )
             print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
             return code
         return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
