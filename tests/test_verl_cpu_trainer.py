@@ -116,11 +116,11 @@ def test_dynamic_sampling_evicts_groups_without_variance(run3):
 
 def test_monitor_and_aux_loss_act_inside_verls_update(run3):
     """The aux loss's gradient went back through every router call of verl's updates at the
-    DP scale (1 here): catches an aux gradient scaled to 0 or never reaching backward, which
+    DP scale (2 here): catches an aux gradient scaled to 0 or never reaching backward, which
     `applied` (the setting) cannot."""
     row = history(run3[0])[3]
     assert row["actor/moe/aux_loss/applied"] == 1.0
-    assert row["actor/moe/aux_loss/grad_scale"] == 1.0
+    assert row["actor/moe/aux_loss/grad_scale"] == 2.0  # ep 2 on 2 ranks: dp 2, DDP's mean
     assert row["actor/moe/update/tokens"] > 0 and row["actor/moe/old_log_prob/tokens"] > 0
     assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
     report = json.loads((run3[0] / "routing_report.json").read_text())

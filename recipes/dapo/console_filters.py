@@ -52,6 +52,8 @@ NOT_APPLICABLE = (
        "parameters of every request itself", None),  # fmt: skip
     _n(r"Passing raw prompts to InputProcessor is deprecated", "verl's call into vLLM, not "
        "this run's", None),  # fmt: skip
+    _n(r"`Qwen2VLImageProcessor` requires torchvision", "transformers probes an image "
+       "processor for a text-only model; the rollout reads text", None),  # fmt: skip
     _n(r"^(?:torch|megatron)/\S+\.py:\d+: (?:Future|Deprecation)Warning:", "a deprecation "
        "inside torch / megatron-core's own calls: a note for their code, not for the run", None),
 )  # fmt: skip
