@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.local.task import DATA_SOURCE
+from recipes.local.task import dapo_row
 
 MAX_OPERANDS = 6
 MAX_DIGIT = 3  # operands 0..3; a sum over 9 is drawn again
@@ -60,14 +60,8 @@ def draw_sums(count: int, seed: int) -> list[Sum]:
 
 
 def rl_row(s: Sum, index: int, split: str) -> dict:
-    """A DAPO row as verl's RL dataset reads it: chat prompt, data_source, ground truth."""
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": s.prompt}],
-        "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": s.answer},
-        "extra_info": {"split": split, "index": index, "operands": len(s.operands)},
-    }
+    """The sum as a DAPO row (recipes.local.task.dapo_row), its operand count in extra_info."""
+    return dapo_row(s, index, split, operands=len(s.operands))
 
 
 def sft_row(s: Sum) -> dict:

@@ -78,19 +78,21 @@ def write_data(out: Path, max_operand: int = 3, repeats: int = 300) -> dict:
     problems = make_problems(max_operand)
     train = problems * repeats
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    pd.DataFrame([_row(p, i, "train") for i, p in enumerate(train)]).to_parquet(paths["train"])
-    pd.DataFrame([_row(p, i, "val") for i, p in enumerate(problems)]).to_parquet(paths["val"])
+    pd.DataFrame([dapo_row(p, i, "train") for i, p in enumerate(train)]).to_parquet(paths["train"])
+    pd.DataFrame([dapo_row(p, i, "val") for i, p in enumerate(problems)]).to_parquet(paths["val"])
     (out / "task.json").write_text(json.dumps({"max_operand": max_operand}))
     return paths
 
 
-def _row(problem: Problem, index: int, split: str) -> dict:
+def dapo_row(problem, index: int, split: str, **extra) -> dict:
+    """A DAPO row as verl's RL dataset reads it (chat prompt, data_source, ground truth) of
+    anything with a `prompt` and an `answer`; `extra` goes into extra_info."""
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": problem.prompt}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
-        "extra_info": {"split": split, "index": index},
+        "extra_info": {"split": split, "index": index, **extra},
     }
 
 
