@@ -24,7 +24,7 @@ from recipes.local.models import BUILT
 # prepare), verl's outputs, the console's logs, finish's report, export and summary
 # and the mini model's warm-up (recipes.local.warmup: its work and its export)
 BUILT_FILES = (*(f"{n}_hf" for n in BUILT), *(f".{n}_hf.partial" for n in BUILT), "data",
-               "warmup", "sft_hf", ".sft_hf.partial")  # fmt: skip
+               "warmup", "sft_hf")  # fmt: skip
 # of those, what a run leaves (the models and data are remade the same way)
 RUN_OUTPUTS = ("checkpoints", "metrics", "tensorboard", "logs", "alarms.jsonl",
                "routing_report.json", "routing_report", "export_hf", "reward_curve.png",

@@ -5,25 +5,23 @@ from pathlib import Path
 import torch
 
 
-def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:
-    """converters' mcore-to-hf of `actor` into `out`; max |logits| between the checkpoint in
-    megatron-core (world size 1) and the export in transformers, on task-like sequences."""
+def export_hf(actor: Path, template: Path, out: Path) -> Path:
+    """converters' mcore-to-hf of `actor` into `out` (replaced; written whole or not at all),
+    config and tokenizer from `template`."""
     from converters.cli import main as converters_main
 
-    code = converters_main(
-        [
-            "mcore-to-hf",
-            str(actor),
-            str(out),
-            "--template",
-            str(template),
-            "--force",
-            "--no-progress",
-        ]
-    )
+    args = ["mcore-to-hf", str(actor), str(out), "--template", str(template), "--force",
+            "--no-progress"]  # fmt: skip
+    code = converters_main(args)
     if code != 0:
         raise RuntimeError(f"export of {actor} failed (converters exit {code})")
-    return out, _logits_diff(actor, out)
+    return out
+
+
+def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:
+    """export_hf of `actor` into `out`; max |logits| between the checkpoint in megatron-core
+    (world size 1) and the export in transformers, on task-like sequences."""
+    return export_hf(actor, template, out), _logits_diff(actor, out)
 
 
 def _probe_BS(tokenizer) -> torch.Tensor:

@@ -34,8 +34,9 @@ def tiny_hf_config() -> dict:
 def prepare(out: Path, seed: int = 0, model: str = "tiny",
             warmup_steps: int | None = None) -> tuple[Path | None, dict]:  # fmt: skip
     """<out>/<model>_hf (a built model + tokenizer; none for a user's directory), <out>/data
-    (train/val parquet) and <out>/metrics, made once (the launcher calls it once its checks
-    pass); returns the built model's directory (None for a directory) and the data files."""
+    (train/val parquet; sft too for the sums task), the mini model's warm-up (<out>/sft_hf)
+    and <out>/metrics, made once (the launcher calls it once its checks pass); returns the
+    directory RL reads for a built model (None for a directory) and the data files."""
     from transformers.utils.logging import disable_progress_bar
 
     from recipes.local.models import BUILT, TASK_OF, make_built
@@ -47,9 +48,8 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny",
     hf_dir = make_built(out, model, seed) if model in BUILT else None
     task = TASK_OF.get(model, "doubles")
     data_dir = out / "data"
-    files = {
-        s: data_dir / f"{s}.parquet" for s in ("train", "val", "sft")[: 3 if task == "sums" else 2]
-    }
+    splits = ("train", "val", "sft") if task == "sums" else ("train", "val")
+    files = {s: data_dir / f"{s}.parquet" for s in splits}
     if not all(p.is_file() for p in files.values()):
         files = write_sums_data(data_dir, seed=seed) if task == "sums" else write_data(data_dir)
     if task == "sums":

@@ -88,9 +88,9 @@ def warmed_dir(out: Path) -> Path:
 
 def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
             say=print) -> Path:  # fmt: skip
-    """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (exported under a
-    partial name, then renamed: a killed warm-up is never taken for a model). verl's SFT
-    trainer runs on one torchrun rank of our engine; its whole output goes to
+    """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (converters write
+    it whole or not at all: a killed warm-up is never taken for a model). verl's SFT trainer
+    runs on one rank of our engine; its whole output goes to
     <out>/warmup/log.txt and `say` gets a progress line every PROGRESS_EVERY_S seconds."""
     final = warmed_dir(out)
     if (final / "tokenizer.json").is_file():
@@ -113,9 +113,14 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
                 next_line_s += PROGRESS_EVERY_S
     if child.returncode != 0:
         raise WarmupError(f"the SFT warm-up failed (exit {child.returncode}): see {log}")
+    from recipes.local.export import export_hf
+
+    # converters write the folder whole or not at all: a killed export is never a model
     with open(log, "a") as sink, redirect_stdout(sink), redirect_stderr(sink):
-        _export(work / "checkpoints" / f"global_step_{steps}", base, out / f".{SFT_DIR}.partial",
-                final)  # fmt: skip
+        try:
+            export_hf(work / "checkpoints" / f"global_step_{steps}", base, final)
+        except RuntimeError as e:
+            raise WarmupError(f"{e}: see {log}") from None
     say(_progress(metrics, steps, time.perf_counter() - t0, done=True))
     return final
 
@@ -161,20 +166,6 @@ def _progress(metrics: Path, steps: int, elapsed_s: float, done: bool = False) -
     return f"warm-up: {'done, ' if done else ''}{at} ({elapsed_s:.0f}s)"
 
 
-def _export(checkpoint: Path, template: Path, partial: Path, final: Path) -> None:
-    """converters' mcore-to-hf of the warm-up's checkpoint, config and tokenizer from
-    `template`; renamed into place once whole."""
-    from converters.cli import main as converters_main
-
-    shutil.rmtree(partial, ignore_errors=True)
-    args = ["mcore-to-hf", str(checkpoint), str(partial), "--template", str(template),
-            "--no-progress"]  # fmt: skip
-    if converters_main(args) != 0:
-        raise WarmupError(f"export of the warm-up's checkpoint {checkpoint} failed")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recipes.local.warmup")
     p.add_argument("--model", type=Path, required=True)
@@ -198,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         SFTTrainer(config=cfg).fit()
     finally:
         dist.destroy_process_group()
-    (args.out / "warmup.json").write_text(json.dumps({"steps": args.steps}))
     return 0
 
 
