@@ -38,6 +38,8 @@ TOY = dict(
     test_freq=5,
     val_n=8,  # 8 samples of each validation prompt: a steadier yardstick
     score="task",  # recipes/local/task.py's compute_score (the leading digits)
+    batched_tokens=256,  # vLLM's max_num_batched_tokens
+    run_name="tiny-qwen3-moe",  # the experiment's name, before its plan
 )
 # the mini model's task (recipes.local.sums): worked sums of 10-40 tokens; the policy comes
 # from the SFT warm-up (recipes.local.warmup), so RL refines it at a lower learning rate
@@ -50,9 +52,10 @@ SUMS = dict(
     overlong_buffer=8,
     lr=2e-4,
     score="verl",  # verl's math_dapo on "Answer: N", nothing of ours
+    batched_tokens=512,
+    run_name="qwen3-moe-sums",
 )
 TASKS = {"doubles": TOY, "sums": SUMS}
-RUN_NAMES = {"doubles": "tiny-qwen3-moe", "sums": "qwen3-moe-sums"}  # the experiment's name
 
 
 # run-health alarms (backend.monitor.alarms.AlarmRules; the rest at their defaults), for the
@@ -94,7 +97,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{r}.free_cache_engine": False,  # (it would need sleep mode)
             f"+{r}.engine_kwargs.vllm.kv_cache_memory_bytes": KV_CACHE_BYTES,
             f"{r}.n": task["n"],
-            f"{r}.max_num_batched_tokens": 256 if run.task == "doubles" else 512,
+            f"{r}.max_num_batched_tokens": task["batched_tokens"],
             f"{r}.log_prob_max_token_len_per_gpu": 4096,
             f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
             f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
@@ -114,7 +117,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             "trainer.val_before_train": True,
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
-            "trainer.experiment_name": f"{RUN_NAMES[run.task]}-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
+            "trainer.experiment_name": f"{task['run_name']}-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
             + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
