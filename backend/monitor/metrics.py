@@ -128,8 +128,10 @@ def hottest_experts(counts_LE, n: int, top_k: int | None = None, per_layer: bool
     if per_layer:
         pairs = [(i, e) for i in layers for e in _busiest(counts[i], n)]
     else:
-        pairs = [(i, e) for i in layers for e in range(counts.shape[1])]
-        pairs = sorted(pairs, key=lambda le: -share_LE[le].item())[:n]  # stable: ties in order
+        num_experts = counts.shape[1]
+        flat = share_LE[layers].flatten()
+        order = torch.sort(flat, descending=True, stable=True).indices[:n].tolist()
+        pairs = [(layers[j // num_experts], j % num_experts) for j in order]
     out = []
     for layer, expert in pairs:
         share = share_LE[layer, expert].item()
@@ -140,8 +142,8 @@ def hottest_experts(counts_LE, n: int, top_k: int | None = None, per_layer: bool
 
 
 def _busiest(counts_E: torch.Tensor, n: int) -> list[int]:
-    order = sorted(range(len(counts_E)), key=lambda e: -counts_E[e].item())
-    return order[: max(0, min(n, len(order)))]
+    """The n busiest experts, ties to the lower id (a stable sort)."""
+    return torch.sort(counts_E, descending=True, stable=True).indices[: max(0, n)].tolist()
 
 
 def ep_degrees(num_experts: int, run_ep: int = 1, wanted: tuple[int, ...] = (2, 4)) -> list[int]:
