@@ -41,9 +41,13 @@ BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
 NODE = [sys.executable, "-m", "recipes.dapo.ray_node"]
 PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
 # packed sequences (THD micro-batches) at two ranks in verl's own loop: the actor's old
-# log-probs equal the rollout's after every sync (the padded path: the world-1 trainer run)
+# log-probs equal the rollout's after every sync (the padded path: the world-1 trainer run).
+# One generation batch of 4 samples a prompt per step: node loss and resume do not need
+# dynamic sampling's extra batches (the mini trainer run has them), and on 2 cores each
+# sample costs verl's agent loop ~50 ms
 QUIET = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
-         FP32_ROLLOUT, "actor_rollout_ref.actor.mcore_ep.packed=true"]  # fmt: skip
+         FP32_ROLLOUT, "actor_rollout_ref.actor.mcore_ep.packed=true",
+         "algorithm.filter_groups.enable=false", "actor_rollout_ref.rollout.n=4"]  # fmt: skip
 
 
 def free_port() -> int:

@@ -191,7 +191,8 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
     the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
     driver that reaches the user as the engine's one line and exit 2, the traceback only in
-    the launch's log. The relaunch ends at verl's checkpoint load, before any step."""
+    the launch's log. The relaunch ends when the engine starts (the launcher named the
+    checkpoint to it), before verl starts the rollout."""
     out = resumable_copy(run3[0], tmp_path / "damaged")
     model = out / "checkpoints" / "global_step_2" / "actor" / "model" / "dist_ckpt"
     chunks = json.loads((model / "manifest.json").read_text())["files"]["__0_0.distcp"]
@@ -211,4 +212,5 @@ def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_p
     assert "Traceback" not in proc.stdout and "exited with status" not in proc.stdout
     logged = log.read_text()
     assert "RayTaskError(CheckpointError)" in logged
+    assert "vLLMHttpServer" not in logged  # refused before the rollout started
     assert "Traceback (most recent call last)" in logged

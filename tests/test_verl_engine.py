@@ -498,6 +498,36 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make
     assert not victim.exists()
 
 
+def test_the_resume_checkpoint_named_to_the_engine_is_checked_when_it_starts(
+    make_engine, tmp_path, monkeypatch
+):
+    """resume_from (the launcher names the checkpoint verl will resume from): a flipped byte
+    is refused when the engine starts, before verl starts its rollout; a sound one is then
+    loaded without reading every byte again, unless a file changed after the check. Catches
+    an early check that never runs, and a load that trusts a check its files outgrew."""
+    from converters.hf_io import CheckpointError
+    from recipes.dapo import weights
+
+    root = tmp_path / "global_step_1" / "actor"
+    make_engine().save_checkpoint(str(root), global_step=1)
+    checked = []
+    real = weights.check_sealed
+    monkeypatch.setattr(weights, "check_sealed", lambda *a, **k: (checked.append(a), real(*a, **k)))
+    engine = make_engine(resume_from=str(root))
+    assert len(checked) == 1  # at initialize
+    engine.load_checkpoint(str(root))
+    assert len(checked) == 1  # nothing changed since: not read again
+    data = sorted((root / "model" / "dist_ckpt").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="differ from manifest.json"):
+        engine.load_checkpoint(str(root))  # changed after the early check: checked again
+    with pytest.raises(CheckpointError, match="differ from manifest.json") as err:
+        make_engine(resume_from=str(root))
+    assert "\n" not in str(err.value) and len(checked) == 3
+
+
 def test_monitor_guards_the_plans_assumed_ep_skew(make_engine):
     engine = make_engine(monitor={"enable": True, "log_dir": None, "assumed_ep_skew": 1.5})
     guard = engine.routing.monitor.skew_guard

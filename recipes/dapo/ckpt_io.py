@@ -55,6 +55,7 @@ class CheckpointIO:
         self.onload, self.offload = onload, offload
         self.param_offload, self.optimizer_offload = param_offload, optimizer_offload
         self.saved: list[Path] = []  # sealed saves, oldest first (max_ckpt_to_keep)
+        self.checked: tuple | None = None  # (root, contents, files' fingerprint) checked early
 
     def save(
         self,
@@ -106,10 +107,18 @@ class CheckpointIO:
         self.saved.append(root)
         weights.prune(self.saved, keep)
 
-    def load(self, root: Path, contents: set[str]) -> None:
-        """A save into the engine, checked first (complete, sealed, the same plan and experts
-        for optimizer state); the loaded state goes back to the host as it was."""
-        self.writer.finish()
+    def check_early(self, root: Path, contents: set[str]) -> None:
+        """The checks of `load`, when the engine starts (the launcher names the checkpoint
+        verl will resume from): a damaged one ends the run before the rollout starts. The
+        load then skips the byte check (a full read of every file) if no file changed since.
+        Collective."""
+        self._check(root, contents)
+        self.checked = (root.resolve(), frozenset(contents), _fingerprint(root))
+
+    def _check(self, root: Path, contents: set[str], sealed: bool = True) -> tuple[dict, bool]:
+        """(meta.json, whether the optimizer state loads) after the checks: complete, the
+        same plan and experts for optimizer state, and (sealed) every file against its
+        manifest and every pickle against the allow-list."""
         meta = weights.read_meta(root)
         with_optim = self.optim is not None and "optimizer" in contents
         saved = (meta["plan"], meta.get("experts", "sequential"))
@@ -124,8 +133,19 @@ class CheckpointIO:
         if with_optim:
             weights.check_optim_dir(root)
         check_complete(dirs)
-        # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after this returns
-        weights.check_sealed(dirs, step_dir=root.parent)
+        if sealed:
+            # verl's global_step_N/actor: data.pt beside it is verl's, unpickled after the load
+            weights.check_sealed(dirs, step_dir=root.parent)
+        return meta, with_optim
+
+    def load(self, root: Path, contents: set[str]) -> None:
+        """A save into the engine, checked first (`_check`; the byte check skipped when
+        `check_early` did it and no file changed since); the loaded state goes back to the
+        host as it was."""
+        self.writer.finish()
+        unchanged = [self.checked == (root.resolve(), frozenset(contents), _fingerprint(root))]
+        dist.broadcast_object_list(unchanged, src=0)  # rank 0's files decide, as they check
+        meta, with_optim = self._check(root, contents, sealed=not unchanged[0])
         self.onload(
             model=self.param_offload,
             optimizer=with_optim and self.optimizer_offload,
@@ -156,3 +176,10 @@ class CheckpointIO:
             "mcore_ep: resumed from %s: global step %s, optimizer update %s, weights norm "
             "%.9e (rank 0's parameters)", root, meta.get("global_step"), update, norm,
         )  # fmt: skip
+
+
+def _fingerprint(root: Path) -> tuple:
+    """(path, size, mtime) of every file of a step's checkpoint (global_step_N: the actor's
+    files and verl's data.pt): what a change after `check_early` would change."""
+    files = sorted(p for p in root.parent.rglob("*") if p.is_file())
+    return tuple((str(p), st.st_size, st.st_mtime_ns) for p in files if (st := p.stat()))

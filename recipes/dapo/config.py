@@ -52,6 +52,9 @@ class McoreEpEngineConfig(EngineConfig):
     None: 512 on npu (whose operators recompile on new shapes), off elsewhere; 0 or 1: off.
     guards: the opt-in entropy floor and adaptive KL coefficient, off by default
     (backend.guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
+    resume_from: the actor checkpoint (global_step_N/actor) verl's resume will load, named by
+    the launcher: checked when the engine starts, before the rollout does, so a damaged one
+    is refused in a minute, not after the rollout's start-up (recipes.dapo.ckpt_io).
     """
 
     strategy: str = BACKEND
@@ -73,6 +76,7 @@ class McoreEpEngineConfig(EngineConfig):
     weight_sync_bucket_mb: float = DEFAULT_BUCKET_MB
     packed_length_step: int | None = None
     guards: dict[str, Any] = field(default_factory=dict)
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -182,6 +182,9 @@ class McoreEpEngine(BaseEngine):
         )  # fmt: skip
         self.metrics = StepMetrics.start(c, self.module, self.routing, self.groups, device)
         self.timer = self.metrics.timer
+        if c.resume_from and not c.forward_only:
+            contents = set(self.checkpoint_config.get("load_contents", _DEFAULT_CONTENTS))
+            self.checkpoints.check_early(Path(c.resume_from), contents)
 
     @property
     def is_param_offload_enabled(self) -> bool:

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from backend.cli_contract import parse_or_exit_code, run_cli
-from recipes.dapo import cluster, local_checks, lost_node, resume, stack
+from recipes.dapo import cluster, local_checks, lost_node, overrides, resume, stack
+from recipes.dapo.ckpt_layout import ACTOR
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.resolution import (
     Resolved,
@@ -139,11 +140,15 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
 
 def settle_resume(groups: dict[str, dict]) -> None:
     """The checkpoint verl will resume from: a complete one (a line says which, when a
-    stopped run left one half written), and what verl will unpickle, checked."""
+    stopped run left one half written), and what verl will unpickle, checked; the engine is
+    told which, to check its bytes when it starts rather than after the rollout's start-up."""
     note = resume.settle_unfinished(groups, cluster.REPO)
     if note:
         print(note)
-    resume.check_resume(groups, cluster.REPO)
+    step_dir = resume.check_resume(groups, cluster.REPO)
+    if step_dir is not None:
+        key = f"{overrides.ENGINE}.resume_from"
+        groups["engine"][key] = str((step_dir / ACTOR).resolve())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,7 +101,9 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{r}.log_prob_max_token_len_per_gpu": 4096,
             f"{r}.calculate_log_probs": True,  # rollout vs actor log-probs: the sync check
             f"{r}.enable_rollout_routing_replay": True,  # routed_experts in the batch
-            f"{r}.agent.num_workers": 2,
+            # one agent-loop worker and one TransferQueue storage unit: each is a process that
+            # imports verl (10-15 s of a core); a second bought no generation speed on 2 cores
+            f"{r}.agent.num_workers": 1,
             f"{r}.val_kwargs.n": task["val_n"],
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
         },
@@ -121,7 +123,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
         },
         "ray_env": {
-            "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
             **({} if run.ray_address else embedded_ray(world)),
         },
     }
