@@ -394,6 +394,7 @@ def test_benchmark_prints_packed_over_padded_ratios(world1, monkeypatch, tmp_pat
 def test_benchmark_memory_runs_each_engine_and_pass_in_a_child(monkeypatch, tmp_path):
     bench = _bench_module(monkeypatch)
     args = ["--rows", "4", "--response-max", "200", "--max-tokens", "512", "--mem-passes", "1"]
+    args += ["--jobs", "2"]  # peaks are per child; two at a time on 2 cores
     result = bench.main([*args, "--memory", "--no-timing", "--out", str(tmp_path / "r.json")])
     assert "ratio" not in result  # --no-timing
     for name in ("padded", "packed"):

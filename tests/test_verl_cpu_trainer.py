@@ -56,16 +56,16 @@ MINI_OVERRIDES = ("actor_rollout_ref.rollout.n=8",)
 
 
 @pytest.fixture(scope="module")
-def run3(tmp_path_factory):
-    """Three steps of the mini model at ep 2 after its warm-up, checkpoints after steps 2, 3."""
+def mini_run(tmp_path_factory):
+    """Two steps of the mini model at ep 2 after its warm-up, checkpoints after each."""
     out = tmp_path_factory.mktemp("cpu_dapo")
-    proc = launch(out, *MINI_EP2, "--steps", "3",
-                  overrides=("trainer.save_freq=2", *MINI_OVERRIDES))  # fmt: skip
+    proc = launch(out, *MINI_EP2, "--steps", "2",
+                  overrides=("trainer.save_freq=1", *MINI_OVERRIDES))  # fmt: skip
     assert proc.returncode == 0
     return out, proc
 
 
-def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(run3):
+def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(mini_run):
     """verl's SFT trainer on the mcore_ep engine (recipes.local.warmup): its loss fell, its
     export holds trained weights (not the built model's) with the built model's tokenizer,
     and RL read that folder. Catches an SFT pass that trains nothing (a loss mask or
@@ -73,7 +73,7 @@ def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(run3):
     from the random weights."""
     from safetensors.torch import load_file
 
-    out, proc = run3
+    out, proc = mini_run
     rows = [json.loads(x) for x in (out / "warmup" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["data"]["train/loss"] for r in rows]
     assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
@@ -94,10 +94,10 @@ def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(run3):
     assert shown[0].startswith("warm-up: 20 SFT steps") and shown[-1].startswith("warm-up: done")
 
 
-def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
-    out, _ = run3
+def test_every_weight_sync_gives_the_rollout_the_actors_weights(mini_run):
+    out, _ = mini_run
     rows = history(out)
-    assert sorted(rows) == [1, 2, 3]
+    assert sorted(rows) == [1, 2]
     for step, row in rows.items():
         # the rollout's per-token log-probs (transformers, weights only from verl's sync)
         # against the actor's old log-probs on the same sequences (megatron-core)
@@ -106,39 +106,39 @@ def test_every_weight_sync_gives_the_rollout_the_actors_weights(run3):
         assert row["actor/grad_norm"] > 0, step
 
 
-def test_dynamic_sampling_evicts_groups_without_variance(run3):
-    rows = history(run3[0])
+def test_dynamic_sampling_evicts_groups_without_variance(mini_run):
+    rows = history(mini_run[0])
     # the briefly warmed policy answers many sums wrong n times out of n: those groups must go
     # (verl logs the count only for steps that evicted something)
     assert sum(row.get("training/filter_groups/evicted_samples", 0) for row in rows.values()) > 0
     assert all(row["critic/advantages/max"] > 0 for row in rows.values())
 
 
-def test_monitor_and_aux_loss_act_inside_verls_update(run3):
+def test_monitor_and_aux_loss_act_inside_verls_update(mini_run):
     """The aux loss's gradient went back through every router call of verl's updates at the
     DP scale (2 here): catches an aux gradient scaled to 0 or never reaching backward, which
     `applied` (the setting) cannot."""
-    row = history(run3[0])[3]
+    row = history(mini_run[0])[2]
     assert row["actor/moe/aux_loss/applied"] == 1.0
     assert row["actor/moe/aux_loss/grad_scale"] == 2.0  # ep 2 on 2 ranks: dp 2, DDP's mean
     assert row["actor/moe/update/tokens"] > 0 and row["actor/moe/old_log_prob/tokens"] > 0
     assert "actor/timing/comm_share" in row and row["actor/timing/forward_backward_s"] > 0
-    report = json.loads((run3[0] / "routing_report.json").read_text())
+    report = json.loads((mini_run[0] / "routing_report.json").read_text())
     assert report["steps"], "the routing report holds the run's steps"
-    # its step axis is verl's: 4 updates (mini-batches) in each of the 3 trainer steps
-    assert [s["trainer_step"] for s in report["steps"]] == [1] * 4 + [2] * 4 + [3] * 4
+    # its step axis is verl's: 4 updates (mini-batches) in each of the 2 trainer steps
+    assert [s["trainer_step"] for s in report["steps"]] == [1] * 4 + [2] * 4
     assert report["meta"]["run"] == "qwen3-moe-sums-cpu-tp1-ep2"
     assert (report["meta"]["num_experts"], report["meta"]["top_k"]) == (128, 8)
-    assert report["meta"]["trainer_steps"] == 3
+    assert report["meta"]["trainer_steps"] == 2
 
 
-def test_the_console_shows_a_line_per_step_and_the_summary_last(run3):
+def test_the_console_shows_a_line_per_step_and_the_summary_last(mini_run):
     """Everything verl, Ray and the workers print is in the run's log; the console has a line
     per step, each warning once, and the summary last (the 35-step run: under 300 lines)."""
-    out, proc = run3
+    out, proc = mini_run
     lines = proc.stdout.splitlines()
     steps = [m.groups() for line in lines if (m := STEP_ROW.match(line))]
-    assert steps == [("1", "3"), ("2", "3"), ("3", "3")]
+    assert steps == [("1", "2"), ("2", "2")]
     assert len(lines) - len(steps) <= CONSOLE_FIXED and 35 + CONSOLE_FIXED < 300
     # the alarms' count line: a router collapsed as it came may fire at step 1 (alarms.py)
     assert lines[-1].startswith("wall time: ")
@@ -146,18 +146,18 @@ def test_the_console_shows_a_line_per_step_and_the_summary_last(run3):
     log = out / "logs" / "launch_000.log"
     assert f"log: {log}" in lines
     logged = log.read_text()
-    assert re.search(r"step:3 - .*actor/entropy:", logged)  # verl's own step line, in full
+    assert re.search(r"step:2 - .*actor/entropy:", logged)  # verl's own step line, in full
     assert "target_num_threads" not in logged  # TQ_NUM_THREADS fits the machine's cores
     assert len(logged.splitlines()) > 10 * len(lines)
 
 
-def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
-    out, proc = run3
+def test_checkpoints_in_verls_layout_and_the_export_reloads(mini_run):
+    out, proc = mini_run
     ckpt = out / "checkpoints"
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     from recipes.dapo.ckpt_layout import is_complete
 
-    for step in (2, 3):  # step 2 written in the background and sealed later, 3 the last
+    for step in (1, 2):  # step 1 written in the background and sealed later, 2 the last
         actor = ckpt / f"global_step_{step}" / "actor"
         assert (actor / "model" / "dist_ckpt" / ".metadata").is_file()
         assert (actor / "optim" / "dist_ckpt" / ".metadata").is_file()
@@ -168,8 +168,8 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
     from recipes.dapo.resume import check_data_state
     from tests.test_resume import pickled_globals
 
-    check_data_state(ckpt / "global_step_2")
-    assert pickled_globals(ckpt / "global_step_2" / "data.pt") == TORCH_SAVE_ALLOWED
+    check_data_state(ckpt / "global_step_1")
+    assert pickled_globals(ckpt / "global_step_1" / "data.pt") == TORCH_SAVE_ALLOWED
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_max_logits_diff"] < 1e-4
     assert (out / "export_hf" / "config.json").is_file()
@@ -178,8 +178,8 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(run3):
 
 
 def resumable_copy(src: Path, out: Path) -> Path:
-    """A run directory holding run3's models (built and warmed), data and its step-2 save as
-    the latest."""
+    """A run directory holding the mini run's models (built and warmed), data and its step-2 save as
+    the latest (its last)."""
     for made in ("mini_hf", "sft_hf", "data"):
         shutil.copytree(src / made, out / made)
     shutil.copytree(src / "checkpoints" / "global_step_2", out / "checkpoints" / "global_step_2")
@@ -187,13 +187,13 @@ def resumable_copy(src: Path, out: Path) -> Path:
     return out
 
 
-def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(run3, tmp_path):
+def test_a_checkpoint_the_engine_refuses_ends_the_resume_in_one_line(mini_run, tmp_path):
     """Tensor bytes changed after the save: the launcher's checks (the pickles) pass them and
     the engine's manifest check refuses them in verl's actor worker. Through Ray and verl's
     driver that reaches the user as the engine's one line and exit 2, the traceback only in
     the launch's log. The relaunch ends when the engine starts (the launcher named the
     checkpoint to it), before verl starts the rollout."""
-    out = resumable_copy(run3[0], tmp_path / "damaged")
+    out = resumable_copy(mini_run[0], tmp_path / "damaged")
     model = out / "checkpoints" / "global_step_2" / "actor" / "model" / "dist_ckpt"
     chunks = json.loads((model / "manifest.json").read_text())["files"]["__0_0.distcp"]
     offset, length, _ = max(chunks["chunks"], key=lambda chunk: chunk[1])  # a tensor's

@@ -33,6 +33,7 @@ import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,12 @@ def parse_args(argv=None):
     p.add_argument("--scope", choices=SCOPES, default="pass", help="the whole pass or the head")
     p.add_argument("--chunk-mib", type=int, help="lean head chunk buffer (default: backend's)")
     p.add_argument("--out", help="JSON path (default: runs/bench/logprob_heads.json)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="children run this many at a time (peaks are per process; their times then share the cores)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # head,pass,tokens: one measurement
     return p.parse_args(argv)
 
@@ -242,7 +249,9 @@ def main(argv=None) -> list[dict]:
         f"rows of {args.seq}, temperature {args.temperature}, scope {args.scope}; peak = "
         "resident high-water mark - RSS before the pass, one process each; ratios lean / full"
     )
-    results = [measure(args, h, w, t) for t in tokens for w in PASSES for h in HEADS]
+    runs = [(h, w, t) for t in tokens for w in PASSES for h in HEADS]
+    with ThreadPoolExecutor(args.jobs) as pool:  # each child a process of its own
+        results = list(pool.map(lambda run: measure(args, *run), runs))
     print("\n".join(report(results)))
     out = Path(args.out or REPO / "runs/bench/logprob_heads.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -75,6 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads of the children")
     p.add_argument("--mem-passes", type=int, default=3, help="measured passes per child")
     p.add_argument("--mmap-threshold", type=int, default=2**16, help="MALLOC_MMAP_THRESHOLD_")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="children run this many at a time (peaks are per process; their times then share the cores)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # engine,pass: one memory measurement
     return p.parse_args(argv)
 
@@ -234,18 +241,24 @@ def measure_memory(args) -> dict:
     shape += ("response_max", "max_tokens", "seed", "threads", "mem_passes")
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in shape]
     peaks = {n: {} for n in ("padded", "packed")}
-    for which in ("update", "old_log_prob"):
-        for name in peaks:
-            cmd = [sys.executable, __file__, *argv, "--child", f"{name},{which}"]
-            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"child {name},{which} failed:\n{done.stderr[-3000:]}")
-            out = json.loads(done.stdout.strip().splitlines()[-1])
-            peaks[name][which] = out["peak_mib"]
-            runs = " ".join(f"{m:.1f}" for m in out["passes_mib"])
-            print(
-                f"peak {name:<6} {which:<12} {out['peak_mib']:8.1f} MiB ({runs})", file=sys.stderr
-            )
+
+    def child(run: tuple[str, str]) -> dict:
+        name, which = run
+        cmd = [sys.executable, __file__, *argv, "--child", f"{name},{which}"]
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"child {name},{which} failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    runs = [(name, which) for which in ("update", "old_log_prob") for name in peaks]
+    with ThreadPoolExecutor(args.jobs) as pool:  # each child a process of its own
+        outs = list(pool.map(child, runs))
+    for (name, which), out in zip(runs, outs, strict=True):
+        peaks[name][which] = out["peak_mib"]
+        runs_mib = " ".join(f"{m:.1f}" for m in out["passes_mib"])
+        print(
+            f"peak {name:<6} {which:<12} {out['peak_mib']:8.1f} MiB ({runs_mib})", file=sys.stderr
+        )
     ratio = {p: peaks["packed"][p] / peaks["padded"][p] for p in ("update", "old_log_prob")}
     return {"peak_mib": peaks, "memory_ratio": ratio}
 
