@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _skew(args: argparse.Namespace) -> SkewAssumption:
-    if args.skew_from:
-        return skew_from_report(args.skew_from)
+    if args.skew_from:  # at the given plan's ep too (--auto searches ep: the run's alone)
+        return skew_from_report(args.skew_from, ep=None if args.auto else args.ep)
     if args.ep_skew is not None:
         if not args.ep_skew >= 1:
             raise PlanError(f"--ep-skew={args.ep_skew} must be >= 1 (1: balanced routing)")

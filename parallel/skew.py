@@ -48,9 +48,18 @@ def default_skew() -> SkewAssumption:
 
 
 def skew_from_report(
-    path: str | Path, percentile: float = REPORT_PERCENTILE, phase: str = REPORT_PHASE
+    path: str | Path,
+    percentile: float = REPORT_PERCENTILE,
+    phase: str = REPORT_PHASE,
+    ep: int | None = None,
 ) -> SkewAssumption:
-    """The percentile of per-layer, per-step `ep_max_over_mean` in a routing report."""
+    """The percentile of per-layer, per-step `ep_max_over_mean` in a routing report, measured
+    at the run's EP. With `ep` (the plan's) the report's window counts are split into that
+    many ranks too, and the larger value holds: a finer split averages fewer experts per rank,
+    so the skew grows with EP (the mini model's ep 2 run on CPU: 1.14 at ep 2, 1.50 at ep 4,
+    1.68 at ep 8 from the same counts, where its steps' p95 at ep 2 was 1.16), and a report
+    from an ep 2 run alone would under-state an ep 8 plan's. Window sums smooth a step's peaks,
+    hence the max over windows and layers. A report of an ep 1 run serves through its counts."""
     from backend.monitor.report import ReportError, load_report
 
     report = load_report(path)
@@ -58,17 +67,42 @@ def skew_from_report(
     values = curve_SL[~np.isnan(curve_SL)]
     if values.size == 0:
         raise ReportError(f"{path}: no {phase!r} steps with tokens: nothing to take the skew from")
-    if report.ep == 1:
+    resplit = _resplit(report, phase, ep) if ep is not None and ep != report.ep else None
+    if report.ep == 1 and resplit is None:
         raise ReportError(
             f"{path} was measured at ep=1, where EP skew is 1 by definition: "
-            "use a report of a run with ep > 1"
+            "use a report of a run with ep > 1, or give the plan's ep"
         )
-    value = max(1.0, float(np.percentile(values, percentile)))
+    measured = float(np.percentile(values, percentile)) if report.ep > 1 else 1.0
     origin = (
         f"p{percentile:g} of ep_max_over_mean over {len(steps)} steps x "
         f"{report.shape[0]} layers of {path}, measured at ep={report.ep}"
     )
-    return SkewAssumption(value, origin)
+    if resplit is not None:
+        windows, split = resplit
+        origin = (
+            f"the larger of {origin} ({measured:.2f}) and its counts split into this plan's "
+            f"ep={ep} ranks, max over {windows} window(s) x {report.shape[0]} layers ({split:.2f})"
+        )
+        measured = max(measured, split)
+    return SkewAssumption(max(1.0, measured), origin)
+
+
+def _resplit(report, phase: str, ep: int) -> tuple[int, float] | None:
+    """(windows, max over windows and layers of busiest / mean EP rank) of the report's
+    window counts split into `ep` contiguous blocks of experts, as EP ranks hold them."""
+    import torch
+
+    from backend.monitor.metrics import ep_max_over_mean_L
+
+    num_experts = report.shape[1]
+    windows = [w["counts"] for w in report.windows(phase)]
+    if ep < 2 or num_experts % ep or not windows:
+        return None
+    curves = [ep_max_over_mean_L(torch.tensor(c, dtype=torch.float64), ep) for c in windows]
+    values = torch.cat(curves)
+    values = values[~torch.isnan(values)]
+    return (len(windows), float(values.max())) if values.numel() else None
 
 
 def skew_margin(fit: ModelFit, options: MemoryOptions) -> float | None:

@@ -115,6 +115,34 @@ def test_skew_from_report_is_the_p95_of_layer_steps(tmp_path):
         skew_from_report(_report(tmp_path / "ep1.json", curves.tolist(), ep=1))
 
 
+def _counts_report(path, counts_LE, ep):
+    """A report of 4 update steps that each routed `counts_LE`, measured at `ep`."""
+    layers, experts = len(counts_LE), len(counts_LE[0])
+    history = LoadHistory(("update",), layers, experts, ep, 2)
+    for step in range(4):
+        history.add(step, torch.tensor([counts_LE], dtype=torch.int64), {})
+    plan = {"tp": 1, "ep": ep, "pp": 1, "cp": 1, "dp": ep, "etp": 1, "edp": 1, "world": ep}
+    return save_report(build_report(history, plan), path)
+
+
+def test_the_plans_ep_splits_the_reports_counts_where_skew_grows_with_ep(tmp_path):
+    """Experts 0 and 2 take 4x the tokens of 1 and 3: two EP ranks hold one hot expert each
+    (balanced, 1.0), four ranks one expert each (the busiest 4 over a mean of 2.5: 1.6).
+    Catches an ep 2 run's skew applied to an ep 4 plan unchanged, and an ep 1 run's report
+    refused where its counts say what any ep would see."""
+    counts = [[4, 1, 4, 1], [4, 1, 4, 1]]
+    at_ep2 = _counts_report(tmp_path / "ep2.json", counts, ep=2)
+    assert skew_from_report(at_ep2).value == pytest.approx(1.0)
+    assert skew_from_report(at_ep2, ep=2).value == pytest.approx(1.0)
+    split = skew_from_report(at_ep2, ep=4)
+    assert split.value == pytest.approx(1.6)
+    assert "(1.00) and its counts split into this plan's ep=4 ranks" in split.origin
+    at_ep1 = _counts_report(tmp_path / "ep1.json", counts, ep=1)
+    assert skew_from_report(at_ep1, ep=4).value == pytest.approx(1.6)
+    with pytest.raises(ReportError, match="or give the plan's ep"):
+        skew_from_report(at_ep1)
+
+
 def test_cli_prints_the_verdict_at_the_skew_and_the_margin(tmp_path, capsys):
     # 42 GiB: fits at the default 2x, not at 8x (lean log-prob heads: the update peak is ~38 GiB)
     argv = ["--nodes", "4", "--tp", "4", "--ep", "8", "--recompute", "--device-memory-gb", "42"]

@@ -220,7 +220,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     rollout_tp = overrides.DAPO["rollout_tp"]
     if plan.world % rollout_tp:
         raise PlanError(f"{plan.world} devices do not split into vLLM engines of TP {rollout_tp}")
-    skew = _assumed_skew(args.skew_from)
+    skew = _assumed_skew(args.skew_from, plan.ep)
     fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
     if not args.dry_run:  # what only a real launch needs
         from backend.optional import require
@@ -254,10 +254,10 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     )
 
 
-def _assumed_skew(report: str | None):
+def _assumed_skew(report: str | None, ep: int):
     from parallel.skew import default_skew, skew_from_report
 
-    return skew_from_report(report) if report else default_skew()
+    return skew_from_report(report, ep=ep) if report else default_skew()
 
 
 def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.LocalModel]:
