@@ -113,7 +113,8 @@ class CheckpointIO:
         load then skips the byte check (a full read of every file) if no file changed since.
         Collective."""
         self._check(root, contents)
-        self.checked = (root.resolve(), frozenset(contents), _fingerprint(root))
+        if dist.get_rank() == 0:  # rank 0 checks the bytes, so its files decide (load)
+            self.checked = (root.resolve(), frozenset(contents), _fingerprint(root))
 
     def _check(self, root: Path, contents: set[str], sealed: bool = True) -> tuple[dict, bool]:
         """(meta.json, whether the optimizer state loads) after the checks: complete, the
@@ -143,7 +144,10 @@ class CheckpointIO:
         `check_early` did it and no file changed since); the loaded state goes back to the
         host as it was."""
         self.writer.finish()
-        unchanged = [self.checked == (root.resolve(), frozenset(contents), _fingerprint(root))]
+        unchanged = [
+            dist.get_rank() == 0
+            and self.checked == (root.resolve(), frozenset(contents), _fingerprint(root))
+        ]
         dist.broadcast_object_list(unchanged, src=0)  # rank 0's files decide, as they check
         meta, with_optim = self._check(root, contents, sealed=not unchanged[0])
         self.onload(
