@@ -97,6 +97,14 @@ def _set(key: str, value: float, steps):
     return inject
 
 
+def _each(*injects):
+    def inject(step: int, metrics: dict) -> None:
+        for one in injects:
+            one(step, metrics)
+
+    return inject
+
+
 LATE = range(20, 36)
 CASES = {
     # below the floor at once; the 5-step mean is 90% lower once all 5 steps are collapsed
@@ -119,6 +127,12 @@ CASES = {
     # validations at 20, 25, 30 all 0.625 while the training score (5-step mean) climbs by more than 0.3
     "validation stalls": (_set(VAL, 0.625, {20, 25, 30}),
                           [("routing", 1), ("routing", 29), ("val_stale", 30)]),
+    # the same flat validations at the top: a solved set (the mini runs' 1.0, 1.0, 0.984 and
+    # 0.922, 1.0, 0.938 while the training score climbed at temperature 1 fired it)
+    "validation solved": (_set(VAL, 0.984, {20, 25, 30}), [("routing", 1), ("routing", 29)]),
+    "validation solved, one sample off": (
+        _each(_set(VAL, 0.922, {20}), _set(VAL, 1.0, {25}), _set(VAL, 0.938, {30})),
+        [("routing", 1), ("routing", 29)]),
 }  # fmt: skip
 
 

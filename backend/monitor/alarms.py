@@ -31,7 +31,9 @@ Rules (names of AlarmRules fields in brackets):
   (recorded before the monitor published them) is not checked for routing;
 - val_stale: between the last [val_window] + 1 validations the validation reward moved by
   less than [val_flat] while the training score (critic/score/mean, mean of [smooth] steps)
-  rose by more than [score_rise].
+  rose by more than [score_rise], unless one of those validations reached [val_ceiling]: a
+  solved validation set cannot climb, it flips a sample or two (DAPO's rewards are at most 1;
+  the local runs validate 128 samples, 0.016 each).
 """
 
 import math
@@ -105,6 +107,7 @@ class AlarmRules:
     val_window: int = 2
     val_flat: float = 0.02
     score_rise: float = 0.3
+    val_ceiling: float = 0.9
     smooth: int = 5
 
     def __post_init__(self) -> None:
@@ -341,6 +344,8 @@ class HealthAlarms:
         now = scores.mean(r.smooth) if scores else None
         moved = abs(vals.values[-1] - old)
         if then is None or now is None or moved >= r.val_flat or now - then <= r.score_rise:
+            return "val_stale", None
+        if max(vals.values[-1 - r.val_window :]) >= r.val_ceiling:  # solved: no stall
             return "val_stale", None
         text = (f"validation reward flat over {r.val_window} validations (steps {old_step}-"
                 f"{step}: moved {moved:.3g} < {r.val_flat:g}) while the training score rose "
