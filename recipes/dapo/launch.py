@@ -57,8 +57,7 @@ def run(args, extra: list[str]) -> int:
             print(local_checks.would_set_aside(out))
         return 0
     stack.check_installed(device)  # the target's package set, before Ray or any model work
-    if device == "cpu":
-        prepare_local(out, args, model.name)
+    prepared_s = prepare_local(out, args, model.name) if device == "cpu" else 0.0
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
         cluster.raise_open_files()
@@ -70,7 +69,7 @@ def run(args, extra: list[str]) -> int:
         from recipes.local.run import run as run_local
 
         return run_local(resolved, out, t0, verbose=args.verbose, debug=args.debug,
-                         watch=watch)  # fmt: skip
+                         watch=watch, prepared_s=prepared_s)  # fmt: skip
     return run_cluster(resolved, args.verbose, args.debug, watch, started=t0)
 
 
@@ -90,15 +89,17 @@ def launched_at() -> float:
     return now - min(max(age, 0.0), 3600.0)
 
 
-def prepare_local(out: Path, args, model: str) -> None:
+def prepare_local(out: Path, args, model: str) -> float:
     """The local run's directory, once every check passed: an earlier run there moved aside
-    (without --resume; never deleted), then the model (tiny / mini: built once; a directory:
-    used in place) and data made."""
+    (without --resume; never deleted), then the model (tiny / mini: built once, the mini
+    one's warm-up too; a directory: used in place) and data made. Returns its seconds."""
     from recipes.local.run import prepare
 
+    t0 = time.perf_counter()
     if not args.resume and local_checks.earlier_run(out):
         print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
     prepare(out, seed=args.seed or 0, model=model, warmup_steps=args.warmup_steps)
+    return time.perf_counter() - t0
 
 
 def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None,

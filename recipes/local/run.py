@@ -1,4 +1,4 @@
-"""The embedded run: verl's own DAPO trainer on a tiny Qwen3-MoE, on this machine's CPUs.
+"""The embedded run: verl's own DAPO trainer on a small Qwen3-MoE, on this machine's CPUs.
 
 `bash scripts/train_mcore.sh` without an accelerator lands here (recipes.dapo.launch):
 1. prepare <out>/: the model --model builds (tiny or mini, recipes.local.models: <name>_hf/,
@@ -81,13 +81,13 @@ def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
 
 
 def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float = 0.9,
-           console=None, world: int = 1) -> int:  # fmt: skip
+           console=None, world: int = 1, prepared_s: float = 0.0) -> int:  # fmt: skip
     """Export against `model` (the trained one: its config and tokenizer), reload check,
     routing report, reward curve, summary (after verl returns); with
     a console (recipes.dapo.console) what that work prints goes to the run's log, and the
     summary is the last thing on screen."""
     with console.capture() if console else nullcontext():
-        summary = _finish_files(out, model, wall_s, verl_s, target, world)
+        summary = _finish_files(out, model, wall_s, verl_s, target, world, prepared_s)
     if console:
         console.close()
     print_summary(summary)
@@ -96,7 +96,7 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
 
 
 def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
-                  world: int) -> dict:  # fmt: skip
+                  world: int, prepared_s: float = 0.0) -> dict:  # fmt: skip
     from recipes.dapo.health import latest_actor_checkpoint, routing_report
     from recipes.local.export import check_export
 
@@ -110,7 +110,8 @@ def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: 
         paths.update(routing_report(actor / "moe_report.json", out))
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
     return write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
-                         world=world, export_max_logits_diff=diff)  # fmt: skip
+                         world=world, export_max_logits_diff=diff,
+                         prepared_s=round(prepared_s, 1))  # fmt: skip
 
 
 def next_metrics_file(folder: Path, fresh: bool = False) -> Path:
@@ -139,7 +140,7 @@ def read_history(folder: Path) -> list[dict]:
 
 
 def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = False,
-        watch=None) -> int:  # fmt: skip
+        watch=None, prepared_s: float = 0.0) -> int:  # fmt: skip
     """verl's trainer through the launcher's console (recipes.dapo.console), then finish on
     the model it trained (`trained_model`: the built one, or the user's directory). A
     checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster), a Ray
@@ -147,7 +148,8 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     processes and leftovers end with it (recipes.dapo.run_scope). watch: a
     recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
     start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
-    console's start-up lines count from it."""
+    console's start-up lines count from it; prepared_s: of that, making the model, the data
+    and the warm-up (recipes.dapo.launch.prepare_local)."""
     from backend.monitor.alarms import AlarmRules
     from recipes.dapo.cluster import interrupted_line, run_command
     from recipes.dapo.console import open_console
@@ -178,6 +180,7 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
             print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
             return code
         return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
-                      console=console, world=resolved.run.plan.world)  # fmt: skip
+                      console=console, world=resolved.run.plan.world,
+                      prepared_s=prepared_s)  # fmt: skip
     finally:
         console.close()

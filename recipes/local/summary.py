@@ -17,6 +17,9 @@ REWARD_KEY = f"val-aux/math_dapo/reward/mean@{TOY['val_n']}"
 ACC_KEY = f"val-core/math_dapo/acc/mean@{TOY['val_n']}"
 TRAIN_SCORE_KEY = "critic/score/mean"
 STEP_TIME_KEYS = ("timing_s/step", "timing_s/testing")
+# a step's phases as verl times them (timing_s/*): save and validation over the steps that ran one
+STEP_PHASES = {"gen": "gen", "old-log-prob": "old_log_prob", "update": "update_actor",
+               "weight sync": "update_weights", "save": "save_checkpoint", "validation": "testing"}  # fmt: skip
 ACTOR_TIMING = "actor/timing/"  # the engine's timing/* as verl logs them
 
 
@@ -30,6 +33,16 @@ def elapsed_at(history: list[dict], startup_s: float) -> dict[int, float]:
     for row in history:
         total += sum(row.get(k, 0.0) for k in STEP_TIME_KEYS)
         out[row["step"]] = round(total, 1)
+    return out
+
+
+def step_phases(history: list[dict]) -> dict[str, float]:
+    """Mean seconds of each STEP_PHASES phase over the training steps that logged it."""
+    out = {}
+    for name, key in STEP_PHASES.items():
+        values = [r[f"timing_s/{key}"] for r in history if r["step"] > 0 and f"timing_s/{key}" in r]
+        if values:
+            out[name] = round(sum(values) / len(values), 2)
     return out
 
 
@@ -90,6 +103,7 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
         "first_step_at_target": reached,
         "seconds_to_target": elapsed_at(history, startup_s).get(reached),
         "startup_s": round(startup_s, 1),
+        "step_phases_s": step_phases(history),
         "wall_s": round(wall_s, 1),
         "steps_per_min": round(
             60 * len(steps) / max(sum(r.get("timing_s/step", 0) for r in steps), 1e-9), 2
@@ -108,8 +122,23 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
 def _model_name(paths: dict) -> str:
     """The trained model as the plot names it: a built one by its name (tiny_hf: tiny), else
     its directory's name."""
+    from recipes.local.warmup import SFT_DIR
+
     model = paths.get("model")
+    if model and Path(model).name == SFT_DIR:  # RL reads the warm-up's export
+        return "mini, from its SFT warm-up"
     return Path(model).name.removesuffix("_hf") if model else "tiny"
+
+
+def _startup_parts(summary: dict) -> str:
+    """What of the start-up was this launch making the model, data and warm-up."""
+    prepared = summary.get("prepared_s") or 0.0
+    if prepared < 1.0:
+        return ""
+    return (
+        f" (model, data and warm-up {prepared:.1f}s, then verl "
+        f"{summary['startup_s'] - prepared:.1f}s)"
+    )
 
 
 def print_summary(summary: dict) -> None:
@@ -121,7 +150,15 @@ def print_summary(summary: dict) -> None:
         print(f"validation reward {start:.3f} -> {final:.3f} over {summary['steps']} steps "
               f"(accuracy {summary['final_accuracy']:.2f}); >= {summary['target_reward']:g} "
               f"first at {when}")  # fmt: skip
-    print(f"{summary['steps_per_min']} steps/min; start-up {summary['startup_s']}s")
+    print(
+        f"{summary['steps_per_min']} steps/min; start-up {summary['startup_s']}s"
+        + _startup_parts(summary)
+    )
+    if summary.get("step_phases_s"):
+        print(
+            "a step (mean s): "
+            + ", ".join(f"{k} {v:g}" for k, v in summary["step_phases_s"].items())
+        )
     if summary.get("comm_share_mean") is not None:
         print(f"communication: {summary['comm_share_mean']:.1%} of the actor's step time "
               "(mean of actor/timing/comm_share)")  # fmt: skip
