@@ -55,7 +55,10 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     out, seen = tmp_path / "run", []
     monkeypatch.setattr(cluster, "run_command", fake_verl(b"first run", seen))
-    assert launch.main(["--device", "cpu", "--steps", "2", "--ckpt-dir", str(out)]) == 0
+    assert (
+        launch.main(["--device", "cpu", "--model", "tiny", "--steps", "2", "--ckpt-dir", str(out)])
+        == 0
+    )
     first = snapshot(out)
     assert (
         "checkpoints/global_step_10/actor/weights.bin" in first and "logs/launch_000.log" in first
@@ -70,14 +73,20 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     assert problems(out / "tiny_hf") == [] and written["vocab_size"] == VOCAB_SIZE
     capsys.readouterr()
 
-    assert launch.main(["--device", "cpu", "--ckpt-dir", str(out), "--dry-run"]) == 0
+    assert (
+        launch.main(["--device", "cpu", "--model", "tiny", "--ckpt-dir", str(out), "--dry-run"])
+        == 0
+    )
     assert snapshot(out) == first and len(list(tmp_path.iterdir())) == 1
     assert f"a launch without --resume moves the last run in {out} to {out}.<UTC timestamp>" in (
         capsys.readouterr().out
     )
 
     monkeypatch.setattr(cluster, "run_command", fake_verl(b"second run", seen))
-    assert launch.main(["--device", "cpu", "--steps", "2", "--ckpt-dir", str(out)]) == 0
+    assert (
+        launch.main(["--device", "cpu", "--model", "tiny", "--steps", "2", "--ckpt-dir", str(out)])
+        == 0
+    )
     line = re.search(
         rf"moved the last run in {out} to (\S+) \(--resume would have", capsys.readouterr().out
     )
@@ -89,7 +98,21 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     assert (out / "checkpoints/global_step_10/actor/weights.bin").read_bytes() == b"second run"
     assert sorted(p.name for p in (out / "metrics").iterdir()) == ["launch_000.jsonl"]
     # the moved run can still be continued where it now lies
-    assert launch.main(["--device", "cpu", "--resume", "--ckpt-dir", str(moved), "--dry-run"]) == 0
+    assert (
+        launch.main(
+            [
+                "--device",
+                "cpu",
+                "--model",
+                "tiny",
+                "--resume",
+                "--ckpt-dir",
+                str(moved),
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("where", ["default dir", "new dir", "used dir", "cluster"])

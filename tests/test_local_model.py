@@ -1,5 +1,5 @@
-"""The local run's `--model` (recipes.dapo.local_model): tiny by default, mini where
-parallel.models defines it, or the user's own HF Qwen3-MoE directory, which the dry run
+"""The local run's `--model` (recipes.dapo.local_model): mini by default where
+parallel.models defines it, tiny, or the user's own HF Qwen3-MoE directory, which the dry run
 names, the launch trains in place and the finish exports against. The broken directories
 are rows of tests/bad_inputs_model.py."""
 
@@ -82,7 +82,7 @@ def test_trained_model_is_what_verl_was_given(user_model, tmp_path):
     directory through --model or the pass-through override."""
     out = tmp_path / "run"
     default, _, model = _resolve(["--ckpt-dir", str(out), "--dry-run"])
-    assert local_run.trained_model(default.groups) == out / "tiny_hf" == model.path
+    assert local_run.trained_model(default.groups) == out / "sft_hf" == model.path  # mini, warmed
     for argv in (
         ["--model", str(user_model)],
         ["--", f"actor_rollout_ref.model.path={user_model}"],
@@ -121,7 +121,7 @@ def test_mini_only_where_parallel_models_defines_it(tmp_path, monkeypatch, capsy
 def test_warmup_steps_belong_to_the_mini_model(tmp_path, capsys):
     """--warmup-steps on a model without a warm-up is one line, exit 2, before anything is
     written: catches a flag silently ignored (the user believes the policy was warmed)."""
-    code = launch.main(["--device", "cpu", "--ckpt-dir", str(tmp_path / "r"), "--warmup-steps",
+    code = launch.main(["--device", "cpu", "--model", "tiny", "--ckpt-dir", str(tmp_path / "r"), "--warmup-steps",
                         "5", "--dry-run"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--warmup-steps applies to --model mini" in err

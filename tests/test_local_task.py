@@ -1,6 +1,7 @@
 """The CPU run's toy task: its problems, data files and score; the mini model it can serve."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -124,3 +125,28 @@ def test_sums_data_files_rl_and_sft_in_verls_columns(tmp_path):
     assert [m["role"] for m in first] == ["user", "assistant"]
     operands = map(int, first[0]["content"].removesuffix("=").split("+"))
     assert first[1]["content"].endswith(f"Answer: {sum(operands)}")
+
+
+def test_the_warmups_corpus_answers_half_the_long_sums_by_a_guess():
+    """The warm-up leaves RL a policy that either works the sum out (right) or guesses the
+    answer line (right one time in ten): what RL has to learn is the choice, so validation
+    climbs from a low start. Catches a corpus without guesses (RL would start at its ceiling),
+    a one-operand sum guessed (its answer line is its working), a worked answer changed."""
+    from recipes.local.sums import Sum, draw_sums, sft_rows
+
+    sums = draw_sums(2000, seed=2)
+    rows = sft_rows(sums, guess_share=0.5, seed=3)
+    guesses = []
+    for s, row in zip(sums, rows, strict=True):
+        user, reply = (m["content"] for m in row["messages"])
+        assert user == s.prompt
+        if reply != s.working:
+            assert len(s.operands) > 1 and re.fullmatch(r"Answer: \d", reply), (s, reply)
+            guesses.append(int(reply.removeprefix("Answer: ")) == sum(s.operands))
+    multi = sum(len(s.operands) > 1 for s in sums)
+    assert 0.45 < len(guesses) / multi < 0.55
+    assert 0.05 < sum(guesses) / len(guesses) < 0.15  # a guess is right about one time in ten
+    assert [r["messages"][1]["content"] for r in sft_rows(sums, 0.0, 3)] == [
+        s.working for s in sums
+    ]
+    assert Sum((2, 1, 3)).working == "2+1=3\n3+3=6\nAnswer: 6"

@@ -163,7 +163,8 @@ def running_tasks(address: str) -> list[str]:
 def start_launch(out: Path, box: Box, name: str, *flags: str, overrides=()) -> subprocess.Popen:
     """The launcher on the box's cluster, its output in <out>.<name>.out / .err."""
     cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
-           box.address, *PLAN, "--ckpt-dir", str(out), *flags, "--", *QUIET, *overrides]  # fmt: skip
+           box.address, *PLAN, "--model", "tiny", "--ckpt-dir", str(out), *flags, "--", *QUIET,
+           *overrides]  # fmt: skip
     with open(logs(out, name)[0], "w") as stdout, open(logs(out, name)[1], "w") as err:
         return subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=err, start_new_session=True)
 
@@ -231,7 +232,7 @@ def test_two_raylets_on_one_box_and_what_check_ray_refuses(
     ]  # fmt: skip
     monkeypatch.setenv("RAY_py_gcs_connect_timeout_s", "5")  # Ray's wait for a GCS (30 s)
     for plan, address, needle in fails:
-        code = launch.main(["--device", "cpu", "--ray-address", address, *plan,
+        code = launch.main(["--device", "cpu", "--ray-address", address, *plan, "--model", "tiny",
                             "--ckpt-dir", str(tmp_path / "refused")])  # fmt: skip
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and needle in err, err
@@ -311,7 +312,7 @@ def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
     wrong = box.pid("worker")
     refused = subprocess.run(
         [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
-         box.address, *PLAN, "--ckpt-dir", str(out), "--resume"],
+         box.address, *PLAN, "--model", "tiny", "--ckpt-dir", str(out), "--resume"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr

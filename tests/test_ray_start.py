@@ -168,7 +168,16 @@ def test_the_launcher_says_it_in_one_line_and_exits_2(tmp_path, monkeypatch, cap
     monkeypatch.setattr(cluster, "run_command", failing)
     monkeypatch.setattr(launch, "prepare_local", lambda *a: None)  # no model, no data: not read
     monkeypatch.setattr(ray_start, "PAUSE_S", 0.0)
-    argv = ["--device", "cpu", "--steps", "2", "--ckpt-dir", str(tmp_path / "run")]
+    argv = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--ckpt-dir",
+        str(tmp_path / "run"),
+    ]
     assert launch.main(argv) == 2
     out, err = capsys.readouterr()
     assert len(seen) == 3 and len(set(seen)) == 1 and not Path(seen[0][1]).exists()

@@ -209,7 +209,7 @@ def test_resume_with_a_crafted_data_state_stops_in_one_line_before_anything_star
     prepare(run)  # the tiny model and data an earlier launch left (so none are made now)
     proc = subprocess.run(
         [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--resume",
-         "--ckpt-dir", str(run)],
+         "--model", "tiny", "--ckpt-dir", str(run)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

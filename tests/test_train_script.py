@@ -420,7 +420,10 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
         cluster, "run_command", lambda cmd, env, *a: started.append((cmd, env)) or 0
     )
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
-    assert launch.main(["--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)]) == 0
+    assert (
+        launch.main(["--model", "tiny", "--steps", "3", "--seed", "1", "--ckpt-dir", str(tmp_path)])
+        == 0
+    )
     ((cmd, env),) = started
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
     for override in ("trainer.device=cpu", "actor_rollout_ref.rollout.name=vllm",
@@ -505,7 +508,7 @@ def test_the_cpu_head_sizes_are_vllms():
 
 def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):
     """--pp: the engine's pipeline size, the plan's pp groups, the memory model's stages; the
-    local run folds pp into its world and refuses a pp its tiny model cannot take."""
+    local run folds pp into its world and refuses a pp its (mini) model cannot take."""
     args = resolution.build_parser().parse_args(
         argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
     )
@@ -531,7 +534,7 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
     _fails_with_one_line(
         capsys,
         ["--pp", "3", "--ckpt-dir", str(tmp_path), "--dry-run"],
-        "pp=3 does not divide num_hidden_layers=2: legal pp for this model: 1, 2",
+        "pp=3 does not divide num_hidden_layers=4: legal pp for this model: 1, 2, 4",
     )
 
 

@@ -32,8 +32,9 @@ STEP_ROW = re.compile(r"^\[[#.]{20}\] +(\d+)/(\d+) \| ")
 
 
 def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    model = () if "--model" in flags else ("--model", "tiny")  # the default is mini
     cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ckpt-dir", str(out),
-           *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
+           *model, *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
            *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:

@@ -45,6 +45,8 @@ NOT_APPLICABLE = (
     _n(r"Failed to create oneDNN linear", "vLLM's CPU matmul falls back to torch, same results"),
     _n(r"Enforce eager set, disabling torch\.compile", "the CPU rollout runs eager on purpose"),
     _n(r"Inductor compilation was disabled", "follows from eager mode (the CPU rollout's)"),
+    _n(r"Reset SSM cache type to float32 for accelerated GDN", "vLLM's CPU platform sets a "
+       "cache type for Mamba-style layers; Qwen3-MoE has none"),  # fmt: skip
     _n(r"Model Runner V2 requires Triton", "no Triton on CPU: vLLM's V1 runner is the one used"),
     _n(r"LoRA dynamic loading & unloading is enabled", "verl's rollout server sets it; the "
        "server is private to the job", None),  # fmt: skip

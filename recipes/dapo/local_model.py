@@ -1,6 +1,6 @@
 """The model a local run trains, chosen and checked before anything is written or started.
 
-`--model` takes `tiny` (the default), `mini` (both built by the run, recipes.local.models) or
+`--model` takes `mini` (the default), `tiny` (both built by the run, recipes.local.models) or
 the directory of the user's own small HF Qwen3-MoE with its tokenizer, used in place (nothing
 copied). A pass-through `-- actor_rollout_ref.model.path=DIR` is the same as `--model DIR`:
 the same checks, and the finish exports against it; both naming different models is refused.
@@ -21,7 +21,8 @@ from recipes.local import models
 MODEL_KEY = "actor_rollout_ref.model.path"
 FLAG_HELP = (
     "the model to train: cluster run: the HF checkpoint dir of Qwen3-30B-A3B (config.json + "
-    "safetensors); local run: tiny (8 experts, top-2; the default), mini (128 experts, top-8) "
+    "safetensors); local run: mini (128 experts, top-8, from an SFT warm-up; the default), tiny "
+    "(8 experts, top-2) "
     "or the dir of your own small HF Qwen3-MoE with its tokenizer and chat template "
     "(docs/cpu_run.md)"
 )

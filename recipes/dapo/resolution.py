@@ -19,6 +19,8 @@ from backend.cli_contract import OneLineParser
 from recipes.dapo import check_actor_cp, cluster, data, dry_run, local_model, overrides
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.verl_schema import check_overrides
+from recipes.local.overrides import TASKS
+from recipes.local.warmup import WARMUP
 
 # the launcher's --help headline (recipes/dapo/launch.py is the entry point)
 DESCRIPTION = (
@@ -27,7 +29,7 @@ DESCRIPTION = (
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps")
-LOCAL_OUT, LOCAL_STEPS, LOCAL_SAVE_FREQ = "runs/local_dapo", 35, 10
+LOCAL_OUT, LOCAL_SAVE_FREQ = "runs/local_dapo", 10
 
 
 def positive_int(text: str) -> int:
@@ -98,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         "local run (CPU only; --model picks its model; a cluster run takes verl overrides after --)"
     )
     local.add_argument(
-        "--steps", type=positive_int, default=None, help=f"training steps (default {LOCAL_STEPS})"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help=f"training steps (default {TASKS['sums']['steps']} on mini, {TASKS['doubles']['steps']} "
+        "on tiny or a directory)",
     )
     local.add_argument(
         "--seed", type=int, default=None, help="random seed of a built model (tiny, mini)"
@@ -108,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="SFT steps of the mini model's warm-up before RL, made once per --ckpt-dir "
-        "(default 60; docs/mini_task.md)",
+        f"(default {WARMUP['steps']}; docs/mini_task.md)",
     )
     local.add_argument(
         "--resume",
@@ -293,7 +299,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
     run = overrides.RunSpec(
         "cpu", plan, fit, str(model.path), str(data_dir / "train.parquet"),
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
-        steps=args.steps or LOCAL_STEPS, save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
+        steps=args.steps or TASKS[model.task]["steps"], save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
         task=model.task,
     )  # fmt: skip
     built = overrides.build(run)

@@ -3,8 +3,9 @@
 Each is a random Qwen3-MoE of a shape in parallel.models, with the toy task's vocabulary and
 character tokenizer (recipes.local.task), written to `<out>/<name>_hf`: the directory is named
 by the model, so a run directory made with one never hands the other's to a rerun.
-`tiny` (TINY_QWEN3_MOE, 8 experts, top-2) is the default; `mini` (MINI_QWEN3_MOE, 128 experts,
-top-8) exists where parallel.models defines it (`shape` says it is missing otherwise).
+`mini` (MINI_QWEN3_MOE, 128 experts, top-8: Qwen3-30B-A3B's routing) is the default;
+`tiny` (TINY_QWEN3_MOE, 8 experts, top-2) is kept for fast tests. Each exists where
+parallel.models defines it (`shape` says it is missing otherwise).
 """
 
 import os
@@ -12,7 +13,7 @@ import shutil
 from pathlib import Path
 
 BUILT = ("tiny", "mini")
-DEFAULT = "tiny"
+DEFAULT = "mini"
 # each model's task (recipes.local.overrides.TASKS): the mini model answers worked sums from
 # an SFT warm-up (recipes.local.warmup); the tiny one and a user's directory the doubles
 TASK_OF = {"tiny": "doubles", "mini": "sums"}

@@ -8,7 +8,11 @@ policy that does not stop meets the dapo reward manager's overlong buffer.
 
 The running total stays a single digit (the sum is at most 9): each line is then one fact of
 a small table the model learns in its warm-up (recipes.local.warmup: verl's SFT trainer on our
-engine); RL then has to make the facts and the stop reliable at temperature 1.
+engine). The warm-up's corpus answers half of the sums of two or more operands by a guess,
+the answer line alone with a random digit, as a careless teacher would: the warmed policy
+works a sum out (and is then right) or guesses (and is right one time in ten), and what RL
+has to learn is to work it out. Validation starts low and climbs while the responses grow
+longer (docs/mini_task.md has the measured curve).
 """
 
 import json
@@ -21,6 +25,7 @@ from recipes.local.task import dapo_row
 MAX_OPERANDS = 6
 MAX_DIGIT = 3  # operands 0..3; a sum over 9 is drawn again
 MAX_SUM = 9
+GUESS_SHARE = 0.5  # of the warm-up's multi-operand conversations, answered by a guess
 MAX_RESPONSE_TOKENS = 40  # six operands: 5 working lines of 6 + "Answer: N" + <|im_end|>
 
 
@@ -64,18 +69,28 @@ def rl_row(s: Sum, index: int, split: str) -> dict:
     return dapo_row(s, index, split, operands=len(s.operands))
 
 
-def sft_row(s: Sum) -> dict:
-    """A conversation as verl's MultiTurnSFTDataset reads it (`messages`)."""
+def sft_row(s: Sum, guess: int | None = None) -> dict:
+    """A conversation as verl's MultiTurnSFTDataset reads it (`messages`): the worked answer,
+    or with `guess` the answer line alone holding that digit."""
+    reply = s.working if guess is None else f"Answer: {guess}"
     return {
-        "messages": [
-            {"role": "user", "content": s.prompt},
-            {"role": "assistant", "content": s.working},
-        ]
+        "messages": [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": reply}]
     }
 
 
+def sft_rows(sums: list[Sum], guess_share: float, seed: int) -> list[dict]:
+    """The warm-up's corpus: a `guess_share` of the sums of two or more operands answered by
+    a guess (a digit drawn uniformly from 0..MAX_SUM, right one time in ten), the rest worked."""
+    rng = random.Random(seed)
+    rows = []
+    for s in sums:
+        guessed = len(s.operands) > 1 and rng.random() < guess_share
+        rows.append(sft_row(s, rng.randint(0, MAX_SUM) if guessed else None))
+    return rows
+
+
 def write_sums_data(out: Path, train: int = 4096, val: int = 16, sft: int = 2048,
-                    seed: int = 0) -> dict:  # fmt: skip
+                    seed: int = 0, guess_share: float = GUESS_SHARE) -> dict:  # fmt: skip
     """train.parquet / val.parquet (RL, DAPO rows) and sft.parquet (the warm-up's
     conversations) under `out`; the validation sums are drawn apart from the rest."""
     import pandas as pd
@@ -88,6 +103,6 @@ def write_sums_data(out: Path, train: int = 4096, val: int = 16, sft: int = 2048
     pd.DataFrame([rl_row(s, i, "val") for i, s in enumerate(draw_sums(val, seed + 1))]).to_parquet(
         paths["val"]
     )
-    pd.DataFrame([sft_row(s) for s in draw_sums(sft, seed + 2)]).to_parquet(paths["sft"])
+    pd.DataFrame(sft_rows(draw_sums(sft, seed + 2), guess_share, seed + 3)).to_parquet(paths["sft"])
     (out / "task.json").write_text(json.dumps({"task": "sums", "max_operands": MAX_OPERANDS}))
     return paths

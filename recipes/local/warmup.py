@@ -28,7 +28,7 @@ SFT_DIR, WORK_DIR = "sft_hf", "warmup"  # under the run directory: the warmed mo
 PROGRESS_EVERY_S = 15.0
 ENGINE_TARGET = "recipes.dapo.config.McoreEpEngineConfig"
 ENGINE_MODULE = "recipes.dapo.engine"
-WARMUP = dict(steps=60, batch=32, lr=3e-3, warmup_steps=5, max_length=96)
+WARMUP = dict(steps=200, batch=32, lr=3e-3, warmup_steps=5, max_length=96)
 
 
 def sft_config(
