@@ -574,17 +574,18 @@ PLANNER = [
     ),
     Case(
         "launcher",
-        "local run: --tp 3 (the tiny model's 2 kv heads; Ray not started, nothing written)",
+        "local run: --tp 3 (the mini model's 2 kv heads; Ray not started, nothing written)",
         lambda c: ["--device", "cpu", "--tp", "3", "--ckpt-dir", c.tmp / "out"],
         2,
         "error: tp=3 does not divide num_key_value_heads=2: legal tp for this model: 1, 2",
     ),
     Case(
         "launcher",
-        "local run: --ep 5 (8 experts)",
+        "local run: --ep 5 (128 experts)",
         lambda c: ["--device", "cpu", "--ep", "5", "--ckpt-dir", c.tmp / "out"],
         2,
-        "error: ep=5 does not divide num_experts=8: legal ep for this model: 1, 2, 4, 8",
+        "error: ep=5 does not divide num_experts=128: legal ep for this model: 1, 2, 4, 8, 16, 32, "
+        "64, 128",
     ),
     Case(
         "launcher",
@@ -595,10 +596,10 @@ PLANNER = [
     ),
     Case(
         "launcher",
-        "local run: --pp 3 (2 layers)",
+        "local run: --pp 3 (4 layers)",
         lambda c: ["--device", "cpu", "--pp", "3", "--ckpt-dir", c.tmp / "out"],
         2,
-        "error: pp=3 does not divide num_hidden_layers=2: legal pp for this model: 1, 2 (or set "
+        "error: pp=3 does not divide num_hidden_layers=4: legal pp for this model: 1, 2, 4 (or set "
         "first/last stage layers)",
     ),
     Case(
