@@ -412,7 +412,17 @@ def _resume_run(ctx: Ctx, data_state: str = "genuine", model: str = "intact") ->
         torch.save(_System(f"mkdir {ctx.tmp / 'pwned'}"), model_dir / "common.pt")
     elif model == "changed tensor bytes":
         ctx.flip(model_dir / "__0_0.distcp", _chunk_offset(ctx) + 900)
-    argv = ["--device", "cpu", "--resume", "--steps", "3", "--ckpt-dir", ctx.tmp / "run"]
+    argv = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--resume",
+        "--steps",
+        "3",
+        "--ckpt-dir",
+        ctx.tmp / "run",
+    ]
     if model == "half written":  # as a run stopped before its writes were finalized leaves it
         for name in (".metadata", "manifest.json"):
             (model_dir / name).unlink()
