@@ -305,3 +305,19 @@ def test_a_level_hovering_at_its_limit_is_one_alarm_until_it_clears(shape):
     assert [a.step for a in run(shape, relapse, smooth1).fired] == [1, 9]
     no_clear = AlarmRules(smooth=1, routing_level_clear=1e-9)  # the old behaviour
     assert [a.step for a in run(shape, hover, no_clear).fired] == [1, 3, 5, 7]
+
+
+def test_staleness_fires_when_trained_tokens_lag_past_the_limit_once_per_episode():
+    """Bug caught: an async run whose rollout runs many weight versions ahead of the trainer
+    (verl's default max_off_policy_threshold is off) with nothing said on the console."""
+    lag = "training/off_policy/trajectory_staleness_worst/max"
+    alarms = HealthAlarms(AlarmRules(lag_max=2))
+    seen = [
+        (s, [a.kind for a in alarms.observe(s, {lag: v})])
+        for s, v in enumerate([0, 1, 2, 3, 5, 1, 4], 1)
+    ]
+    assert [(s, k) for s, k in seen if k] == [(4, ["staleness"]), (7, ["staleness"])]
+    line = alarms.fired[0].line()
+    assert line.startswith("ALARM [staleness] step 4: trained tokens up to 3 weight versions old")
+    assert "above 2; usual causes: the rollout runs ahead" in line
+    assert HealthAlarms().observe(1, {lag: 4}) == []  # the default limit: 4 versions

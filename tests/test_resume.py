@@ -251,13 +251,6 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
         resume.resume_dir(groups(), tmp_path)
 
 
-def test_transfer_queue_state_is_refused_only_where_verl_would_unpickle_it(tmp_path):
-    (tmp_path / resume.QUEUE_STATE).mkdir()
-    resume.check_step_dir(tmp_path)  # the sync trainer (this recipe) never reads it
-    with pytest.raises(UnsafeCheckpointError, match="loads with plain pickle"):
-        resume.check_step_dir(tmp_path, trainer_mode="fully_async")
-
-
 # ---- a refusal inside the trainer: one line, the traceback in the run's log ------------------
 
 # a training child's last words, as verl's driver prints them (abridged; the real ones:

@@ -41,8 +41,9 @@ def nothing_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
     monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
     run = SimpleNamespace(
-        plan=SimpleNamespace(world=32), env={}, ckpt_dir=str(tmp_path), device="npu"
-    )
+        plan=SimpleNamespace(world=32, nodes=4, devices_per_node=8), env={}, ckpt_dir=str(tmp_path),
+        device="npu", rollout_nodes=0, ray_address=None,
+    )  # fmt: skip
     plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"], groups={})
     monkeypatch.setattr(launch, "resolve", lambda *a: plan)
     return started

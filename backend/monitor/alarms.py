@@ -29,6 +29,9 @@ Rules (names of AlarmRules fields in brackets):
   more than [routing_dead_rise] of E. Up to trainer step [routing_window] the cause line
   reads it as the router as it came, later as training's doing. A stream without E and K
   (recorded before the monitor published them) is not checked for routing;
+- staleness: in verl's async modes, the trained tokens' worst lag (verl's
+  training/off_policy/trajectory_staleness_worst/max: weight versions between the oldest
+  weights that generated a trained response and the step's) above [lag_max];
 - val_stale: between the last [val_window] + 1 validations the validation reward moved by
   less than [val_flat] while the training score (critic/score/mean, mean of [smooth] steps)
   rose by more than [score_rise], unless one of those validations reached [val_ceiling]: a
@@ -47,6 +50,7 @@ from backend.monitor.metrics import concentration, experts_in_use, hot_share
 
 ENTROPY, KL_LOSS, PPO_KL, GRAD_NORM = "entropy", "kl_loss", "ppo_kl", "grad_norm"
 MISMATCH = "rollout_logprob_abs_diff/mean"
+LAG = "training/off_policy/trajectory_staleness_worst/max"
 SCORE = "critic/score/mean"
 VAL_REWARD = re.compile(r"^val-(?:core|aux)/[^/]+/reward/mean@\d+$")
 ROUTING = re.compile(r"^(?:actor/)?moe/update/layer_(\d+)/(entropy|max_over_mean|dead)$")
@@ -68,6 +72,9 @@ CAUSES = {
     "routing": "training concentrated the routing: aux loss off or too weak (mcore_ep.aux_loss "
     "coeff, docs/aux_loss.md); it often comes with a policy entropy collapse",
     "val_stale": "stale data (off-policy rollouts) or overfitting to the training prompts",
+    "staleness": "the rollout runs ahead of the trainer: too many prompts in flight "
+    "(num_warmup_batches, max_inflight_gen_batches) or a long tail of responses that span "
+    "updates; verl's trainer.v1.<mode>.max_off_policy_threshold bounds it (drop or wait)",
 }
 ROUTING_SHARES = ("routing_hot_share_max", "routing_concentration_max", "routing_level_clear",
                   "routing_concentration_rise", "routing_dead_rise")  # fmt: skip
@@ -108,6 +115,7 @@ class AlarmRules:
     val_flat: float = 0.02
     score_rise: float = 0.3
     val_ceiling: float = 0.9
+    lag_max: int = 4
     smooth: int = 5
 
     def __post_init__(self) -> None:
@@ -187,6 +195,7 @@ class HealthAlarms:
             *self._entropy(step, metrics),
             self._kl(step, metrics),
             self._mismatch(step, metrics),
+            self._staleness(step, metrics),
             self._grad_norm(step, metrics),
             *self._routing(step, metrics),
             self._val_stale(step, metrics),
@@ -251,6 +260,15 @@ class HealthAlarms:
         text = f"rollout vs actor |log-prob diff| mean {value:.3g} is above {limit:g}"
         return "mismatch", self._alarm("mismatch", step, text, "mismatch", measured=value,
                                        threshold=limit)  # fmt: skip
+
+    def _staleness(self, step, metrics):
+        limit, value = self.rules.lag_max, lookup(metrics, LAG)
+        if value is None or value <= limit:
+            return "staleness", None
+        text = (f"trained tokens up to {value:.0f} weight versions old (the oldest weights "
+                f"that generated a response of this step), above {limit}")  # fmt: skip
+        return "staleness", self._alarm("staleness", step, text, "staleness", measured=value,
+                                        threshold=limit)  # fmt: skip
 
     def _grad_norm(self, step, metrics):
         r = self.rules

@@ -55,6 +55,9 @@ class McoreEpEngineConfig(EngineConfig):
     resume_from: the actor checkpoint (global_step_N/actor) verl's resume will load, named by
     the launcher: checked when the engine starts, before the rollout does, so a damaged one
     is refused in a minute, not after the rollout's start-up (recipes.dapo.ckpt_io).
+    updates_per_step: verl's parameter_sync_step (separate_async: a trainer step is that many
+    mini-batch updates, and verl gives the optimizer total_training_steps times it); the
+    run's last save, which returns sealed, is counted in trainer steps.
     """
 
     strategy: str = BACKEND
@@ -77,6 +80,7 @@ class McoreEpEngineConfig(EngineConfig):
     packed_length_step: int | None = None
     guards: dict[str, Any] = field(default_factory=dict)
     resume_from: str | None = None
+    updates_per_step: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,6 +120,11 @@ class McoreEpEngineConfig(EngineConfig):
             GuardSettings.from_dict(self.guards)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
+        if not (isinstance(self.updates_per_step, int) and self.updates_per_step >= 1):
+            raise EngineConfigError(
+                f"updates_per_step={self.updates_per_step!r}: give verl's parameter_sync_step "
+                "(optimizer updates per trainer step, >= 1)"
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(
                 f"dtype={self.dtype!r}: choose bfloat16 (accelerators) or float32"

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from backend.monitor.alarms import AlarmRules, HealthAlarms
 from recipes.dapo.alarm_log import ALARMS, AlarmLog
 from recipes.dapo.console_filters import Startup, config_text, held_back_line, not_applicable
-from recipes.dapo.step_line import LEGEND, progress_bar, step_line
+from recipes.dapo.step_line import LAG_LEGEND, LEGEND, lag_parts, progress_bar, step_line
 from recipes.dapo.tracebacks import Tracebacks
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -130,6 +130,7 @@ class Console:
     _status_at: float = 0.0
     _status_on: bool = False
     child_over: bool = False
+    lag_told: bool = False  # LAG_LEGEND said (at the first off-policy step)
     # the reader thread feeds, the launcher's thread ticks and ends: one at a time
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -215,6 +216,9 @@ class Console:
         if not self.startup.done and not self.verbose:
             self.say(LEGEND)
         self.startup.done = True
+        if not self.verbose and not self.lag_told and lag_parts(metrics):
+            self.say(LAG_LEGEND)  # once, at the first off-policy step
+            self.lag_told = True
         if not self.verbose:
             self.say(step_line(step, self.total_steps, metrics))
         for alarm in self.alarms.observe(step, metrics):

@@ -29,6 +29,7 @@ def describe(resolved) -> str:
     ]
     if getattr(resolved, "model_line", ""):  # the local run: the model it trains
         lines.append(resolved.model_line)
+    lines += mode_lines(resolved)
     if resolved.model_fit is not None:  # the memory model is for accelerators
         lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
         lines += [f"  {line}" for line in resolved.skew_lines]
@@ -47,6 +48,19 @@ def describe(resolved) -> str:
         lines += [f"  {item}" for item in overrides.to_cli({group: values})]
     lines.append("command: " + " ".join(resolved.command[:3]) + " <the overrides above>")
     return "\n".join(lines)
+
+
+def mode_lines(resolved) -> list[str]:
+    """verl's trainer mode: what it sets, and separate_async's devices (trainer_modes)."""
+    from recipes.dapo import trainer_modes
+
+    run = resolved.run
+    values = {"sync_step": overrides.value_of(resolved.groups, trainer_modes.SYNC_STEP)}
+    sp = trainer_modes.run_split(run)
+    lines = trainer_modes.describe(run.trainer_mode, run.device, sp, values)
+    if sp.rollout_nodes and resolved.model_fit is not None:  # a cluster's rollout devices
+        lines += trainer_modes.rollout_side_lines(run.fit, overrides.DAPO["rollout_tp"], sp)
+    return lines
 
 
 def traffic_lines(resolved) -> list[str]:

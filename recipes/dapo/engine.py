@@ -314,7 +314,9 @@ class McoreEpEngine(BaseEngine):
                 "unset trainer.default_hdfs_dir"
             )
         config = self.checkpoint_config  # read at each save (a bench switches async_save)
-        total = getattr(self.optimizer_config, "total_training_steps", None) or 0
+        # verl gives the optimizer its trainer steps times parameter_sync_step
+        updates = getattr(self.optimizer_config, "total_training_steps", None) or 0
+        total = updates // self.engine_config.updates_per_step
         self.checkpoints.save(
             Path(local_path), global_step, max_ckpt_to_keep,
             contents=set(config.get("save_contents", _DEFAULT_CONTENTS)),

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from backend.cli_contract import parse_or_exit_code, run_cli
-from recipes.dapo import cluster, local_checks, lost_node, overrides, resume, stack
+from recipes.dapo import cluster, local_checks, lost_node, overrides, resume, stack, trainer_modes
 from recipes.dapo.ckpt_layout import ACTOR
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.resolution import (
@@ -63,7 +63,8 @@ def run(args, extra: list[str]) -> int:
         cluster.raise_open_files()
     env, watch = resolved.run.env, None
     if device != "cpu" or args.ray_address:  # a running cluster: the same steps on every device
-        cluster.check_ray(device, resolved.run.plan.world, args.ray_address, env)
+        devices = resolved.run.plan.world + trainer_modes.run_split(resolved.run).rollout_devices
+        cluster.check_ray(device, devices, args.ray_address, env)
         watch = lost_node.NodeWatch(args.ray_address, env)
     if device == "cpu":
         from recipes.local.run import run as run_local

@@ -68,6 +68,8 @@ class RunSpec:
     # node; the embedded CPU run starts its own)
     ray_address: str | None = None
     task: str = "doubles"  # the embedded run's task (recipes.local.overrides.TASKS)
+    trainer_mode: str = "sync"  # verl's V1 trainer mode (recipes.dapo.trainer_modes)
+    rollout_nodes: int = 0  # separate_async: the rollout's own nodes (trainer_modes.split)
     repo: Path = Path(__file__).resolve().parents[2]
 
 
@@ -181,7 +183,7 @@ def trainer(run: RunSpec) -> dict:
     label = DEVICE_TAGS[run.device]
     return {
         "trainer.use_v1": True,
-        "trainer.v1.trainer_mode": "sync",
+        "trainer.v1.trainer_mode": run.trainer_mode,
         "trainer.device": run.device,
         "trainer.nnodes": run.plan.nodes,
         "trainer.n_gpus_per_node": run.plan.devices_per_node,
@@ -230,6 +232,31 @@ def build(run: RunSpec) -> dict[str, dict]:
 
         for group, values in cpu_overrides(run).items():
             groups[group].update(values)
+    return with_trainer_mode(run, groups)
+
+
+def with_trainer_mode(run: RunSpec, groups: dict[str, dict]) -> dict[str, dict]:
+    """verl's trainer mode and what it needs (recipes.dapo.trainer_modes), from the batch
+    sizes the groups above set."""
+    from recipes.dapo import trainer_modes
+
+    sp = trainer_modes.run_split(run)
+    batch = int(value_of(groups, "data.train_batch_size"))
+    mini = int(value_of(groups, f"{ACTOR}.ppo_mini_batch_size"))
+    mode = trainer_modes.overrides(run.trainer_mode, run.device, sp, batch, mini)
+    if mode:
+        groups["trainer_mode"] = mode
+    if run.trainer_mode == "separate_async":  # no old-log-prob pass to count f in (bypass)
+        groups["engine"][f"{ENGINE}.aux_loss"] = _hydra_dict(
+            {**AUX_LOSS, "global_counts": "counting_pass"}
+        )
+        # verl's own key, so that a pass-through override of it reaches the engine too
+        groups["engine"][f"{ENGINE}.updates_per_step"] = (
+            "${trainer.v1.separate_async.parameter_sync_step}"
+        )
+        gpus = "+ray_kwargs.ray_init.num_gpus"
+        if gpus in groups["ray_env"]:  # the embedded Ray declares the rollout's device too
+            groups["ray_env"][gpus] = run.plan.world + sp.rollout_devices
     return groups
 
 

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cli_contract import OneLineParser
-from recipes.dapo import check_actor_cp, cluster, data, dry_run, local_model, overrides
+from recipes.dapo import (
+    check_actor_cp,
+    cluster,
+    data,
+    dry_run,
+    local_model,
+    overrides,
+    trainer_modes,
+)
 from recipes.dapo.cluster import LaunchError
 from recipes.dapo.verl_schema import check_overrides
 from recipes.local.overrides import TASKS
@@ -77,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HEAD_IP:PORT",
         help="the running Ray cluster (ray_start_head.sh prints it); default: the one Ray finds "
         "from this node. --device cpu: run the tiny job on it instead of the embedded run",
+    )
+    p.add_argument(
+        "--trainer-mode",
+        choices=trainer_modes.MODES,
+        default="sync",
+        help="verl's V1 trainer mode: sync (the default), colocate_async (partial rollouts "
+        "across weight updates), separate_async (the rollout on nodes of its own: half the "
+        "--nodes; on cpu one more vLLM engine); docs/async_modes.md",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="check, resolve and print; start and write nothing"
@@ -219,8 +235,9 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     check_actor_cp(dims["cp"])
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
+    sp = trainer_modes.split(args.trainer_mode, args.nodes, args.devices_per_node)
     model_fit = plan_for_model(
-        spec, args.nodes, args.devices_per_node, **dims
+        spec, sp.trainer_nodes, args.devices_per_node, **dims
     )  # model reasons first
     plan = model_fit.plan
     rollout_tp = overrides.DAPO["rollout_tp"]
@@ -247,17 +264,32 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         str(ckpt_dir),
         env,
         ray_address=args.ray_address,
+        trainer_mode=args.trainer_mode,
+        rollout_nodes=sp.rollout_nodes,
     )
     built = overrides.build(run)
     # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
     built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
+    check_mode(args.trainer_mode, groups)
     check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
     groups = overrides.name_the_run(groups)
     return Resolved(
         run, model_fit, groups, replaced, dry_run.assumed_skew_lines(model_fit, fit, skew)
     )
+
+
+def check_mode(mode: str, groups: dict[str, dict]) -> None:
+    """The trainer mode against the values the run ends up with (pass-through overrides
+    included): trainer_modes.check's one line."""
+    of = lambda key: overrides.value_of(groups, key)  # noqa: E731
+    trainer_modes.check(mode, {
+        "router_replay": of(f"{overrides.ACTOR}.{overrides.BACKEND}.router_replay"),
+        "train_batch": of("data.train_batch_size"),
+        "mini_batch": of(f"{overrides.ACTOR}.ppo_mini_batch_size"),
+        "sync_step": of(trainer_modes.SYNC_STEP),
+    })  # fmt: skip
 
 
 def _assumed_skew(report: str | None, ep: int):
@@ -291,7 +323,12 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
             f"--warmup-steps applies to --model mini (its SFT warm-up), not to {model.name}: "
             "drop it, or add --model mini"
         )
-    plan = checks.model_fit(model.config, *_local_layout(args, **dims), **dims).plan
+    sp = trainer_modes.split(
+        args.trainer_mode, args.nodes, args.devices_per_node, not args.ray_address
+    )
+    plan = checks.model_fit(
+        model.config, *_local_layout(args, sp.trainer_nodes, **dims), **dims
+    ).plan
     fresh = not args.resume and checks.earlier_run(out)  # the launch moves that run aside
     # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
     # so verl's offload/onload calls run between rollout and update here too
@@ -300,11 +337,13 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
         "cpu", plan, fit, str(model.path), str(data_dir / "train.parquet"),
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
         steps=args.steps or TASKS[model.task]["steps"], save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
-        task=model.task,
+        task=model.task, trainer_mode=args.trainer_mode,
+        rollout_nodes=sp.rollout_nodes,
     )  # fmt: skip
     built = overrides.build(run)
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
+    check_mode(args.trainer_mode, groups)
     groups = overrides.name_the_run(groups)
     checks.check_rollout_model(model)
     if args.resume:
@@ -313,11 +352,13 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
     return resolved, out, model
 
 
-def _local_layout(args, tp: int, ep: int, pp: int, etp: int, cp: int) -> tuple[int, int]:
-    """(nodes, ranks per node): the cluster's with --ray-address; else one node of the
-    smallest dp that lets the experts fold over the ranks."""
+def _local_layout(
+    args, nodes: int, tp: int, ep: int, pp: int, etp: int, cp: int
+) -> tuple[int, int]:
+    """(nodes, ranks per node): the cluster's trainer nodes with --ray-address; else one node
+    of the smallest dp that lets the experts fold over the ranks."""
     import math
 
     if args.ray_address:
-        return args.nodes, args.devices_per_node
+        return nodes, args.devices_per_node
     return 1, math.lcm(tp * cp, etp * ep) * pp

@@ -24,7 +24,8 @@ import re
 from pathlib import Path
 
 from converters.hf_io import CheckpointError
-from converters.safe_pickle import UnsafeCheckpointError, check_dist_checkpoint, check_torch_save
+from converters.queue_state import check_queue_state
+from converters.safe_pickle import check_dist_checkpoint, check_torch_save
 from recipes.dapo import overrides
 from recipes.dapo.ckpt_layout import (
     ACTOR,
@@ -59,12 +60,15 @@ def check_step_dir(step_dir: Path, trainer_mode: str = "sync") -> None:
     for sub in (MODEL_DIR, OPTIM_STATE):
         if (step_dir / ACTOR / sub / ".metadata").exists():
             check_dist_checkpoint(step_dir / ACTOR / sub)
-    if trainer_mode != "sync" and (step_dir / QUEUE_STATE).exists():
-        raise UnsafeCheckpointError(
-            f"{step_dir / QUEUE_STATE} is TransferQueue state, which verl's {trainer_mode} trainer "
-            "loads with plain pickle (it can run code): resume with trainer.v1.trainer_mode=sync "
-            "(this recipe's), or remove it if the run is yours and you trust it"
-        )
+    if trainer_mode != "sync":
+        check_queue_state_of(step_dir)
+
+
+def check_queue_state_of(step_dir: Path) -> None:
+    """verl's async modes unpickle `transfer_queue/` (plain pickle) after the actor's load:
+    every pickle there through its exact allow-list (converters.queue_state)."""
+    if (Path(step_dir) / QUEUE_STATE).is_dir():
+        check_queue_state(Path(step_dir) / QUEUE_STATE)
 
 
 def resume_dir(groups: dict[str, dict], cwd: Path) -> Path | None:

@@ -23,6 +23,12 @@ LEGEND = (
     "route 3.76x/4 L1 = busiest expert's load over the mean (E/K at most), worst layer | "
     "ep = busiest EP rank's load over the mean | s = step seconds | comm = communication share"
 )
+LAG_LEGEND = (
+    "off-policy steps: lag 0.4/1 = weight versions between the trained tokens' oldest weights "
+    "and the step's (mean/max) | spans 1.25 = weight versions a response was generated with (mean)"
+)
+LAG = "training/off_policy/trajectory_staleness_worst"  # verl's (trainer_base.py _compute_metrics)
+SPANS = "training/off_policy/trajectory_spans"
 
 
 def progress_bar(step: int, total: int | None) -> str:
@@ -79,6 +85,19 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
     skew = _worst_layer(metrics, "ep_max_over_mean")
     if skew is not None:
         parts.append(f"ep {skew[0]:.2f}x")
+    parts += lag_parts(metrics)
     add("", lookup(metrics, "timing_s/step"), lambda v: f"{v:.1f}s")
     add("comm", lookup(metrics, "timing/comm_share"), lambda v: f"{v:.0%}")
     return " | ".join(p.strip() for p in parts)
+
+
+def lag_parts(metrics: dict[str, float]) -> list[str]:
+    """`lag mean/max` and `spans share` of an off-policy step; nothing on-policy (sync)."""
+    mean, most = lookup(metrics, f"{LAG}/mean"), lookup(metrics, f"{LAG}/max")
+    spans = lookup(metrics, f"{SPANS}/mean")
+    if not most and not (spans and spans > 1):
+        return []
+    parts = [f"lag {mean or 0:.2g}/{most or 0:.0f}"]
+    if spans is not None:
+        parts.append(f"spans {spans:.2f}")
+    return parts

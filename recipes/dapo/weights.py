@@ -209,12 +209,13 @@ def check_optim_dir(root: Path) -> None:
 def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
     """Before megatron-core unpickles anything of a checkpoint: rank 0 checks every file
     against its manifest and vets every pickle with the allow-list (converters.safe_pickle),
-    and `data.pt` of verl's `step_dir`, which verl unpickles once this load has returned
+    and `data.pt` and the async modes' `transfer_queue/` of verl's `step_dir`, which verl
+    unpickles once this load has returned
     (recipes.dapo.resume); a failure reaches every rank as the same one-line CheckpointError.
     Collective."""
     from converters.manifest import verify_manifest
     from converters.safe_pickle import check_dist_checkpoint
-    from recipes.dapo.resume import check_data_state
+    from recipes.dapo.resume import check_data_state, check_queue_state_of
 
     problem = [None]
     if dist.get_rank() == 0:
@@ -222,6 +223,7 @@ def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
             check_complete(dirs)
             if step_dir is not None:
                 check_data_state(step_dir)
+                check_queue_state_of(step_dir)  # read by verl's async modes only; vetted always
             for d in dirs:
                 verify_manifest(d)
                 check_dist_checkpoint(d)
