@@ -248,3 +248,20 @@ def test_a_terminal_gets_a_status_line_that_the_next_line_clears(tmp_path):
     # cleared, then the legend (the first step line's) and the step
     assert after.startswith(f"\r\x1b[K{LEGEND}\n[....................]  1/35 | ")
     assert "\r" not in con.log_path.read_text()
+
+
+def test_repeats_that_differ_only_in_request_and_actor_ids_are_one_warning(tmp_path):
+    """Bug caught: a lost rollout node's hundreds of agent-loop errors, one per request uid
+    and Ray actor id, each shown as a new warning (236 console lines in one such run)."""
+    con, out = console(tmp_path, total_steps=3)
+    uids = ["c44cbac2-a4c1-4357-aa7c-2e12560abc96", "230d0b03-3917-46a9-9156-301fe63ca310"]
+    actors = ["17642924d381ad2440eff6b201000000", "4a25afb338a79d9944b9f20401000000"]
+    for uid in uids * 50:
+        con.feed(f"{RAY}ERROR Error in _run_prompt for uid={uid}\n")
+    for actor in actors * 50:
+        con.feed(f"{RAY}ray.exceptions.ActorUnavailableError: The actor {actor} is unavailable: The actor is temporarily unavailable\n")  # fmt: skip
+    shown = out.getvalue().splitlines()
+    assert [s for s in shown if "_run_prompt" in s] == [
+        f"ERROR Error in _run_prompt for uid={uids[0]}"
+    ]
+    assert len([s for s in shown if "ActorUnavailableError" in s]) == 1

@@ -41,7 +41,7 @@ def test_separate_async_on_the_cluster_gives_the_rollout_half_the_nodes(device, 
     # the DAPO step is one mini-batch: verl's assert train_batch = sync step x mini-batch
     assert kv[trainer_modes.SYNC_STEP] == "1"
     assert kv["algorithm.rollout_correction.bypass_mode"] == "true"
-    assert kv["algorithm.rollout_correction.rollout_is"] == "token"
+    assert "algorithm.rollout_correction.rollout_is" not in kv  # inert in bypass mode
     assert "global_counts:counting_pass" in kv[f"{overrides.ENGINE}.aux_loss"]
     text = res.describe()
     assert (

@@ -60,7 +60,12 @@ WARNING = re.compile(
 # 2026-12-01 17:35:41,415 (logging, Ray) or 12-01 17:35:41 (vLLM), with the colons around it
 TIMESTAMP = re.compile(r":?(?:\d{4}-)?\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?:?\s*")
 SITE_PACKAGES = re.compile(r"\S*/site-packages/")
-NUMBER = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
+# what varies between repeats of one warning: request uids, Ray's hex ids, numbers
+NUMBER = re.compile(
+    r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}|\b[0-9a-f]{12,}\b|0x[0-9a-f]+"
+    r"|\d+(?:\.\d+)?(?:e[-+]?\d+)?",
+    re.IGNORECASE,
+)
 SHOWN_WIDTH = 200  # characters of a warning shown on the console
 REPEATED_SHOWN = 10  # the most repeated warnings counted on the console (all in the log)
 TAIL_LINES = 25  # of the log, shown when the child fails

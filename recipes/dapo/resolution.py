@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="sync",
         help="verl's V1 trainer mode: sync (the default), colocate_async (partial rollouts "
         "across weight updates), separate_async (the rollout on nodes of its own: half the "
-        "--nodes; on cpu one more vLLM engine); docs/async_modes.md",
+        "--nodes; on cpu one more vLLM engine) (docs/async_modes.md)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="check, resolve and print; start and write nothing"

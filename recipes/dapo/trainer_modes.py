@@ -15,7 +15,10 @@ extension point. So the run uses verl's bypass mode (old log-probs = the rollout
 clipped ratio against the policy that generated the tokens), which R2 cannot run with (its
 routes come from the skipped pass), and the aux loss counts f in its own counting pass.
 
-Both async modes turn on verl's rollout correction: token-level TIS, weights truncated at 2.
+The rollout correction of each async mode: colocate_async turns on verl's token-level TIS
+(weights truncated at 2) on its decoupled old log-probs; in separate_async's bypass mode it is
+PPO's clipped ratio to the rollout's own log-probs (verl's V1 trainer applies IS weights only
+in decoupled mode, so TIS would be inert there and is not set).
 """
 
 from dataclasses import dataclass
@@ -74,16 +77,15 @@ def overrides(mode: str, device: str, sp: Split, train_batch: int, mini_batch: i
     group sets it): nothing for sync."""
     if mode == "sync":
         return {}
-    values = {f"algorithm.rollout_correction.{k}": v for k, v in TIS.items()}
     if mode == "colocate_async":
-        return values
-    values.update({
+        return {f"algorithm.rollout_correction.{k}": v for k, v in TIS.items()}
+    values = {
         SYNC_STEP: sync_step(train_batch, mini_batch),
         f"{R}.nnodes": sp.rollout_nodes,
         f"{R}.n_gpus_per_node": sp.devices_per_node,
         f"{R}.checkpoint_engine.backend": CHANNELS[device],
         "algorithm.rollout_correction.bypass_mode": True,
-    })  # fmt: skip
+    }  # fmt: skip
     if device == "cpu":
         values[f"{R}.checkpoint_engine.custom_backend_module"] = CPU_CHANNEL_MODULE
     return values
@@ -143,8 +145,10 @@ def describe(mode: str, device: str, sp: Split, values: dict) -> list[str]:
     """The dry run's lines for the mode."""
     if mode == "sync":
         return ["trainer mode: sync (generate, then train, on the same devices)"]
+    tis = f"TIS (token, weights <= {TIS['rollout_is_threshold']:g})"
+    bypass = "PPO's clip on the ratio to the rollout's log-probs (bypass)"
     lines = [
-        f"trainer mode: {mode}, rollout correction TIS (token, weights <= {TIS['rollout_is_threshold']:g})"
+        f"trainer mode: {mode}, rollout correction {tis if mode == 'colocate_async' else bypass}"
     ]
     if mode == "separate_async":
         lines.append(
