@@ -16,16 +16,13 @@ prints the table (markdown).
     python scripts/bench/async_modes.py --table-only --out DIR     # reduce earlier runs again
 """
 
-import argparse
-import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_modes import VAL, read_rows, seed_from  # noqa: E402
+from replay_modes import VAL, mode_args, read_rows, report, run_modes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("sync", "colocate_async", "separate_async")
@@ -109,42 +106,18 @@ def launch(model: str, steps: int, seed: int, mode: str, run_dir: Path, console:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mini", help="tiny, mini or an HF directory (default mini)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
-    p.add_argument("--out", type=Path, default=REPO / "runs/async_modes")
-    p.add_argument("--table-only", action="store_true", help="reduce the runs already in --out")
-    args = p.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        print(f"error: --modes {','.join(unknown)}: choose from {', '.join(MODES)}")
+    args = mode_args(argv, __doc__.splitlines()[0], MODES, REPO / "runs/async_modes", seed=True)
+    if args is None:
         return 2
-    results = {}
-    for mode in modes:
-        run_dir = args.out / mode
-        if not args.table_only:
-            seed_from(args.out / modes[0], run_dir)
-            console = args.out / f"{mode}.console"
-            t0 = time.perf_counter()
-            print(f"{mode}: {args.steps} steps in {run_dir} (console {console})", flush=True)
-            rc = launch(args.model, args.steps, args.seed, mode, run_dir, console)
-            print(f"{mode}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-            if rc != 0:
-                print(f"error: the {mode} run failed (exit {rc}): see {console}")
-                return 1
-        if not list((run_dir / "metrics").glob("*.jsonl")):
-            print(
-                f"error: {run_dir} holds no run's metrics: run the {mode} mode without --table-only first"
-            )
-            return 2
-        results[mode] = reduce_run(read_rows(run_dir))
+    launch_one = lambda mode, run_dir, console: launch(  # noqa: E731
+        args.model, args.steps, args.seed, mode, run_dir, console
+    )
+    runs = run_modes(args.modes, args.out, args.steps, launch_one, args.table_only)
+    if isinstance(runs, int):
+        return runs
+    results = {mode: reduce_run(read_rows(run_dir)) for mode, run_dir in runs.items()}
     against_sync(results)
-    (args.out / "async_modes.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
-    print(f"written: {args.out / 'async_modes.json'}")
-    return 0
+    return report(args.out / "async_modes.json", results, table(results))
 
 
 if __name__ == "__main__":

@@ -138,27 +138,19 @@ def launch(model: str, steps: int, run_dir: Path, overrides: list[str], console:
         return subprocess.call(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mini", help="tiny, mini or an HF directory (default mini)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
-    p.add_argument("--out", type=Path, default=REPO / "runs/replay_modes")
-    p.add_argument("--table-only", action="store_true", help="reduce the runs already in --out")
-    args = p.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        print(f"error: --modes {','.join(unknown)}: choose from {', '.join(MODES)}")
-        return 2
-    results = {}
+def run_modes(modes: list[str], out: Path, steps: int, launch_one, table_only: bool):
+    """Each mode's run directory under `out` ({mode: dir}), launched in turn unless
+    `table_only` (the first launch's model, data and warm-up seed the others), or an exit
+    code: 1 for a failed launch, 2 for a directory without a run's metrics."""
+    runs = {}
     for mode in modes:
-        run_dir = args.out / mode.replace("+", "_")
-        if not args.table_only:
-            seed_from(args.out / modes[0].replace("+", "_"), run_dir)
-            console = args.out / f"{run_dir.name}.console"
+        run_dir = out / mode.replace("+", "_")
+        if not table_only:
+            seed_from(out / modes[0].replace("+", "_"), run_dir)
+            console = out / f"{run_dir.name}.console"
             t0 = time.perf_counter()
-            print(f"{mode}: {args.steps} steps in {run_dir} (console {console})", flush=True)
-            rc = launch(args.model, args.steps, run_dir, MODES[mode], console)
+            print(f"{mode}: {steps} steps in {run_dir} (console {console})", flush=True)
+            rc = launch_one(mode, run_dir, console)
             print(f"{mode}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
             if rc != 0:
                 print(f"error: the {mode} run failed (exit {rc}): see {console}")
@@ -167,10 +159,48 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {run_dir} holds no run's metrics: run the {mode} mode without "
                   "--table-only first")  # fmt: skip
             return 2
-        results[mode] = reduce_run(read_rows(run_dir))
-    (args.out / "replay_modes.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
-    print(f"written: {args.out / 'replay_modes.json'}")
+        runs[mode] = run_dir
+    return runs
+
+
+def mode_args(argv, description: str, modes, out: Path, seed: bool = False):
+    """The bench's arguments (--model, --steps, --modes, --out, --table-only; --seed), or
+    None after the one line for an unknown mode. args.modes: the list."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="mini", help="tiny, mini or an HF directory (default mini)")
+    p.add_argument("--steps", type=int, default=20)
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default=",".join(modes), help=f"of {', '.join(modes)}")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--table-only", action="store_true", help="reduce the runs already in --out")
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    if unknown := [m for m in args.modes if m not in modes]:
+        print(f"error: --modes {','.join(unknown)}: choose from {', '.join(modes)}")
+        return None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = mode_args(argv, __doc__.splitlines()[0], MODES, REPO / "runs/replay_modes")
+    if args is None:
+        return 2
+    launch_one = lambda mode, run_dir, console: launch(  # noqa: E731
+        args.model, args.steps, run_dir, MODES[mode], console
+    )
+    runs = run_modes(args.modes, args.out, args.steps, launch_one, args.table_only)
+    if isinstance(runs, int):
+        return runs
+    results = {mode: reduce_run(read_rows(run_dir)) for mode, run_dir in runs.items()}
+    return report(args.out / "replay_modes.json", results, table(results))
+
+
+def report(path: Path, results: dict, text: str) -> int:
+    """The results as JSON at `path`, the table on the console; exit 0."""
+    path.write_text(json.dumps(results, indent=1))
+    print(text)
+    print(f"written: {path}")
     return 0
 
 
