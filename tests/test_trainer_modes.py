@@ -135,14 +135,17 @@ def test_the_launcher_exits_2_with_the_line(capsys):
 
 LAG = "training/off_policy/trajectory_staleness_worst"
 SPANS = "training/off_policy/trajectory_spans/mean"
+SPANS_MAX = "training/off_policy/trajectory_spans/max"
 
 
 def test_the_step_line_shows_the_lag_of_off_policy_steps_only():
     """Bug caught: a sync run's line cluttered with lag 0/0, or an async one's lag hidden."""
     assert lag_parts({f"{LAG}/mean": 0.0, f"{LAG}/max": 0, SPANS: 1.0}) == []  # on-policy
-    off = {f"{LAG}/mean": 0.25, f"{LAG}/max": 1, SPANS: 1.125, "timing_s/step": 7.0}
-    assert lag_parts(off) == ["lag 0.25/1", "spans 1.12"]
-    assert step_line(3, 4, off) == "[###############.....] 3/4 | lag 0.25/1 | spans 1.12 | 7.0s"
+    off = {f"{LAG}/mean": 0.25, f"{LAG}/max": 1, SPANS: 1.125, SPANS_MAX: 2, "timing_s/step": 7.0}
+    # no response spans more than two versions: 1 in 8 spanned an update, exactly
+    assert lag_parts(off) == ["lag 0.25/1", "spans 12%"]
+    assert step_line(3, 4, off) == "[###############.....] 3/4 | lag 0.25/1 | spans 12% | 7.0s"
+    assert lag_parts(off | {SPANS_MAX: 3}) == ["lag 0.25/1", "spans 1.12v"]  # a mean, then
 
 
 def test_the_console_explains_the_lag_once_at_the_first_off_policy_step(tmp_path):

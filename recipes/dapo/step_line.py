@@ -25,7 +25,8 @@ LEGEND = (
 )
 LAG_LEGEND = (
     "off-policy steps: lag 0.4/1 = weight versions between the trained tokens' oldest weights "
-    "and the step's (mean/max) | spans 1.25 = weight versions a response was generated with (mean)"
+    "and the step's (mean/max) | spans 6% = responses generated across a weight update "
+    "(spans 1.25v: versions per response, mean, once one spans more than two)"
 )
 LAG = "training/off_policy/trajectory_staleness_worst"  # verl's (trainer_base.py _compute_metrics)
 SPANS = "training/off_policy/trajectory_spans"
@@ -92,12 +93,16 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
 
 
 def lag_parts(metrics: dict[str, float]) -> list[str]:
-    """`lag mean/max` and `spans share` of an off-policy step; nothing on-policy (sync)."""
+    """`lag mean/max` and `spans` of an off-policy step; nothing on-policy (sync). verl logs
+    the versions per response as mean / max only: while none spans more than two, the
+    share of responses generated across an update is exactly mean - 1."""
     mean, most = lookup(metrics, f"{LAG}/mean"), lookup(metrics, f"{LAG}/max")
-    spans = lookup(metrics, f"{SPANS}/mean")
+    spans, spans_max = lookup(metrics, f"{SPANS}/mean"), lookup(metrics, f"{SPANS}/max")
     if not most and not (spans and spans > 1):
         return []
     parts = [f"lag {mean or 0:.2g}/{most or 0:.0f}"]
-    if spans is not None:
-        parts.append(f"spans {spans:.2f}")
+    if spans is not None and spans_max is not None and spans_max <= 2:
+        parts.append(f"spans {spans - 1:.0%}")
+    elif spans is not None:
+        parts.append(f"spans {spans:.2f}v")
     return parts
