@@ -33,6 +33,19 @@ def mini_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mini_run(tmp_path_factory):
+    """Two steps of the main job on the mini model at ep 2 after its warm-up, checkpoints after
+    each (tests/test_verl_cpu_trainer.py's launch; the ours side of tests/test_ab_engines.py)."""
+    from tests.test_verl_cpu_trainer import MINI_EP2, MINI_OVERRIDES, launch
+
+    out = tmp_path_factory.mktemp("cpu_dapo")
+    proc = launch(out, *MINI_EP2, "--steps", "2",
+                  overrides=("trainer.save_freq=1", *MINI_OVERRIDES))  # fmt: skip
+    assert proc.returncode == 0
+    return out, proc
+
+
+@pytest.fixture(scope="session")
 def world1():
     """ProcessGroups of a single CPU rank with megatron-core's parallel state set up."""
     from backend.device import prepare_device

@@ -56,14 +56,8 @@ MINI_EP2 = ("--model", "mini", "--ep", "2", "--warmup-steps", "20")
 MINI_OVERRIDES = ("actor_rollout_ref.rollout.n=8",)
 
 
-@pytest.fixture(scope="module")
-def mini_run(tmp_path_factory):
-    """Two steps of the mini model at ep 2 after its warm-up, checkpoints after each."""
-    out = tmp_path_factory.mktemp("cpu_dapo")
-    proc = launch(out, *MINI_EP2, "--steps", "2",
-                  overrides=("trainer.save_freq=1", *MINI_OVERRIDES))  # fmt: skip
-    assert proc.returncode == 0
-    return out, proc
+# mini_run: tests/conftest.py (a session fixture: tests/test_ab_engines.py compares verl's FSDP
+# actor against the same run)
 
 
 def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(mini_run):

@@ -35,11 +35,23 @@ META = "meta.json"
 
 def is_complete(root: Path) -> bool:
     """A saved actor checkpoint whose every torch_dist directory carries its manifest.json:
-    written to the end and sealed (recipes.dapo.saving). A save cut short has none."""
+    written to the end and sealed (recipes.dapo.saving). A save cut short has none. verl's
+    FSDP engine's (`--engine fsdp`, its fsdp_config.json there): every rank's files."""
     from converters.manifest import NAME
 
+    if is_fsdp(root):
+        from converters.fsdp_state import is_complete as fsdp_complete
+
+        return fsdp_complete(root)
     dirs = [d for d in (root / MODEL_DIR, root / OPTIM_STATE) if d.is_dir()]
     return (root / MODEL_DIR).is_dir() and all((d / NAME).is_file() for d in dirs)
+
+
+def is_fsdp(root: Path) -> bool:
+    """An actor checkpoint of verl's FSDP engine (converters.fsdp_state), not ours."""
+    from converters.fsdp_state import CONFIG
+
+    return (root / CONFIG).is_file()
 
 
 def unfinished_error(where: Path) -> CheckpointError:

@@ -22,22 +22,25 @@ R3_ROLLOUT = {
 def describe(resolved) -> str:
     """The report of a recipes.dapo.resolution.Resolved (its `describe()`)."""
     run = resolved.run
+    ours = run.engine == overrides.BACKEND
+    actor = "mcore_ep actor" if ours else "verl's FSDP2 actor (--engine fsdp)"
     lines = [
-        f"DAPO, verl 0.9.1 V1 trainer, mcore_ep actor on {RUN_LABELS[run.device]} "
-        f"x {run.plan.world}",
-        f"plan: {run.plan.describe()}",
-    ]
+        f"DAPO, verl 0.9.1 V1 trainer, {actor} on {RUN_LABELS[run.device]} x {run.plan.world}",
+        f"plan: {run.plan.describe()}" if ours else
+        f"plan: FSDP2 over all {run.plan.world} ranks (parameters, gradients and optimizer "
+        "state sharded; no TP/EP/PP): the side by side (docs/ab_engines.md)",
+    ]  # fmt: skip
     if getattr(resolved, "model_line", ""):  # the local run: the model it trains
         lines.append(resolved.model_line)
     lines += mode_lines(resolved)
-    if resolved.model_fit is not None:  # the memory model is for accelerators
+    if resolved.model_fit is not None and ours:  # the memory model: ours, on accelerators
         lines += ["memory (parallel/ model):", *[f"  {line}" for line in run.fit.lines()]]
         lines += [f"  {line}" for line in resolved.skew_lines]
         lines += layout_and_warnings(resolved.model_fit, run.plan)
         lines += ["traffic besides forward and backward (parallel/):"]
         lines += [f"  {line}" for line in traffic_lines(resolved)]
     lines += stack.describe(run.device)  # npu: which A2 set is installed, R3 there
-    lines += replay_lines(resolved.groups, run.device)
+    lines += replay_lines(resolved.groups, run.device) if ours else []
     lines.append(f"Ray: {ray_line(run)}")
     lines += ["environment (this process and every Ray worker):"]
     lines += [f"  {k}={v}" for k, v in run.env.items()]

@@ -29,6 +29,18 @@ def latest_actor_checkpoint(root: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def latest_fsdp_checkpoint(root: Path) -> Path | None:
+    """verl's FSDP engine's newest checkpoint: <root>/global_step_N/actor of the step verl's
+    tracker names (verl writes the tracker after every rank saved, its saves being
+    synchronous), or None."""
+    from recipes.dapo.ckpt_layout import ACTOR, TRACKER
+
+    tracker = root / TRACKER
+    text = tracker.read_text().strip() if tracker.is_file() else ""
+    actor = root / f"global_step_{text}" / ACTOR
+    return actor if text.isdigit() and actor.is_dir() else None
+
+
 def read_alarms(path: Path) -> list[dict]:
     """The alarms of <run>/alarms.jsonl (every launch of the run); a torn last line skipped."""
     if not path.is_file():

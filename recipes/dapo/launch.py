@@ -148,7 +148,7 @@ def settle_resume(groups: dict[str, dict]) -> None:
     if note:
         print(note)
     step_dir = resume.check_resume(groups, cluster.REPO)
-    if step_dir is not None:
+    if step_dir is not None and overrides.runs_ours(groups):
         key = f"{overrides.ENGINE}.resume_from"
         groups["engine"][key] = str((step_dir / ACTOR).resolve())
 

@@ -70,6 +70,7 @@ class RunSpec:
     task: str = "doubles"  # the embedded run's task (recipes.local.overrides.TASKS)
     trainer_mode: str = "sync"  # verl's V1 trainer mode (recipes.dapo.trainer_modes)
     rollout_nodes: int = 0  # separate_async: the rollout's own nodes (trainer_modes.split)
+    engine: str = BACKEND  # the actor: ours, or verl's FSDP2 engine (recipes.dapo.engines)
     repo: Path = Path(__file__).resolve().parents[2]
 
 
@@ -121,7 +122,12 @@ def policy(run: RunSpec) -> dict:
 
 
 def engine(run: RunSpec) -> dict:
-    """Our backend in place of FSDP: registered by ENGINE_MODULE, configured by config.py."""
+    """Our backend in place of FSDP: registered by ENGINE_MODULE, configured by config.py;
+    with --engine fsdp verl's own FSDP2 engine instead (recipes.dapo.engines)."""
+    if run.engine != BACKEND:
+        from recipes.dapo.engines import fsdp_overrides
+
+        return {"actor_rollout_ref.model.path": run.model, **fsdp_overrides(run)}
     return {
         "actor_rollout_ref.model.path": run.model,
         "actor_rollout_ref.model.external_lib": ENGINE_MODULE,
@@ -140,6 +146,9 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
         f"{ENGINE}.router_replay": "disabled",  # R2 | R3: docs/routing_replay.md
         f"{ENGINE}.packed": False,  # THD micro-batches: docs/packed_sequences.md
+        # checkpoints written in the background (recipes.dapo.saving); verl then leaves the
+        # tracker (latest_checkpointed_iteration.txt) to the engine, which writes it once sealed
+        f"{ACTOR}.checkpoint.async_save": True,
     }
 
 
@@ -190,16 +199,20 @@ def trainer(run: RunSpec) -> dict:
         "trainer.save_freq": DAPO["save_freq"],
         "trainer.test_freq": DAPO["test_freq"],
         "trainer.resume_mode": "auto",
-        # checkpoints written in the background (recipes.dapo.saving); verl then leaves the
-        # tracker (latest_checkpointed_iteration.txt) to the engine, which writes it once sealed
-        f"{ACTOR}.checkpoint.async_save": True,
         "trainer.val_before_train": True,
         "trainer.default_local_dir": run.ckpt_dir,
         "hydra.run.dir": f"{run.ckpt_dir}/hydra",  # not ./outputs in the working directory
         "trainer.logger": ["console", "tensorboard"],
         "trainer.project_name": "mcore-moe-dapo",
-        "trainer.experiment_name": f"qwen3-30b-a3b-{label}-tp{run.plan.tp}-ep{run.plan.ep}",
+        "trainer.experiment_name": f"qwen3-30b-a3b-{label}-{plan_label(run)}",
     }
+
+
+def plan_label(run: RunSpec) -> str:
+    """The experiment name's plan part: tpT-epE (-ppP), or fsdpW for verl's FSDP engine."""
+    if run.engine != BACKEND:
+        return f"fsdp{run.plan.world}"
+    return f"tp{run.plan.tp}-ep{run.plan.ep}" + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else "")
 
 
 def ray_env(run: RunSpec) -> dict:
@@ -265,9 +278,14 @@ def name_the_run(groups: dict[str, dict]) -> dict[str, dict]:
     pass-through overrides, which may replace it)."""
     name = next((v for kv in groups.values() for k, v in kv.items()
                  if key_of(k) == "trainer.experiment_name"), None)  # fmt: skip
-    if name is not None:
+    if name is not None and runs_ours(groups):
         groups["engine"][f"{ENGINE}.monitor.run_name"] = quoted(str(name))
     return groups
+
+
+def runs_ours(groups: dict[str, dict]) -> bool:
+    """Whether the actor is our engine (not verl's FSDP one: recipes.dapo.engines)."""
+    return value_of(groups, f"{ACTOR}.strategy") == BACKEND
 
 
 def key_of(override: str) -> str:

@@ -21,6 +21,7 @@ from recipes.dapo import (
     cluster,
     data,
     dry_run,
+    engines,
     local_model,
     overrides,
     trainer_modes,
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="verl's V1 trainer mode: sync (the default), colocate_async (partial rollouts "
         "across weight updates), separate_async (the rollout on nodes of its own: half the "
         "--nodes; on cpu one more vLLM engine) (docs/async_modes.md)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=engines.ENGINES,
+        default=engines.BACKEND,
+        help="the actor: mcore_ep (ours, the default) or fsdp (verl's own FSDP2 engine on the "
+        "same job, over the ranks the plan takes: the side by side, docs/ab_engines.md)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="check, resolve and print; start and write nothing"
@@ -231,7 +239,9 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
-    dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in CLUSTER_PLAN.items()}
+    defaults = CLUSTER_PLAN if args.engine == engines.BACKEND else {**CLUSTER_PLAN, "tp": 1}
+    dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in defaults.items()}
+    engines.check(args.engine, dims, args.trainer_mode)
     check_actor_cp(dims["cp"])
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
@@ -266,10 +276,12 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         ray_address=args.ray_address,
         trainer_mode=args.trainer_mode,
         rollout_nodes=sp.rollout_nodes,
+        engine=args.engine,
     )
     built = overrides.build(run)
-    # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
-    built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
+    if args.engine == engines.BACKEND:
+        # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
+        built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     check_mode(args.trainer_mode, groups)
@@ -315,6 +327,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
             "(this machine has no accelerator; the local run trains on the toy task)"
         )
     dims = {d: getattr(args, d) or 1 for d in CLUSTER_PLAN}
+    engines.check(args.engine, dims, args.trainer_mode)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     data_dir = out / "data"
     model = local_model.choose(args.model, extra, out)
@@ -338,7 +351,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
         steps=args.steps or TASKS[model.task]["steps"], save_freq=LOCAL_SAVE_FREQ, ray_address=args.ray_address,
         task=model.task, trainer_mode=args.trainer_mode,
-        rollout_nodes=sp.rollout_nodes,
+        rollout_nodes=sp.rollout_nodes, engine=args.engine,
     )  # fmt: skip
     built = overrides.build(run)
     groups, replaced = overrides.merge(built, extra)

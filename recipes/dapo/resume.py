@@ -23,6 +23,7 @@ containers and one uint8 tensor, the sampler's torch.Generator state: exactly
 import re
 from pathlib import Path
 
+from converters.fsdp_state import check_fsdp_checkpoint
 from converters.hf_io import CheckpointError
 from converters.queue_state import check_queue_state
 from converters.safe_pickle import check_dist_checkpoint, check_torch_save
@@ -34,6 +35,8 @@ from recipes.dapo.ckpt_layout import (
     TRACKER,
     check_complete,
     is_complete,
+    is_fsdp,
+    unfinished_error,
     write_tracker,
 )
 
@@ -57,6 +60,8 @@ def check_step_dir(step_dir: Path, trainer_mode: str = "sync") -> None:
     """Everything verl and the engine unpickle when resuming from `step_dir`."""
     step_dir = Path(step_dir)
     check_data_state(step_dir)
+    if is_fsdp(step_dir / ACTOR):  # verl's FSDP engine's torch.save files (--engine fsdp)
+        check_fsdp_checkpoint(step_dir / ACTOR)
     for sub in (MODEL_DIR, OPTIM_STATE):
         if (step_dir / ACTOR / sub / ".metadata").exists():
             check_dist_checkpoint(step_dir / ACTOR / sub)
@@ -124,6 +129,8 @@ def settle_unfinished(groups: dict[str, dict], cwd: Path) -> str | None:
         step_dir = resume_dir(groups, cwd)
         actor = None if step_dir is None else step_dir / ACTOR
         if actor is not None and actor.is_dir() and _unfinished(step_dir):
+            if is_fsdp(actor):
+                raise unfinished_error(actor)
             subs = [actor / sub for sub in (MODEL_DIR, OPTIM_STATE)]
             check_complete([d for d in subs if d.is_dir()] or subs[:1])
         return None

@@ -1,4 +1,11 @@
-"""The run's last checkpoint as an HF model, and a check that transformers reloads it exactly."""
+"""The run's last checkpoint as an HF model, and a check that transformers reloads it exactly.
+
+Ours (mcore_ep): converters' mcore-to-hf of the torch_dist checkpoint, checked against that
+checkpoint in megatron-core. verl's FSDP engine (`--engine fsdp`): the HF model verl saved with
+the checkpoint (`<actor>/huggingface/`, recipes.dapo.engines.SAVE_WITH_HF), copied whole,
+checked in both stacks: transformers and megatron-core (our engine's loader) read it to the
+same logits, so either actor trains on from it.
+"""
 
 from pathlib import Path
 
@@ -24,6 +31,22 @@ def check_export(actor: Path, template: Path, out: Path) -> tuple[Path, float]:
     return export_hf(actor, template, out), _logits_diff(actor, out)
 
 
+def check_fsdp_export(actor: Path, out: Path) -> tuple[Path, float]:
+    """<actor>/huggingface (verl's FSDP checkpoint's HF model) copied into `out` (replaced,
+    whole or not at all); max |logits| between megatron-core and transformers on it."""
+    import shutil
+
+    from converters.atomic import atomic_dir
+    from recipes.dapo.engines import HF_DIR
+
+    source = actor / HF_DIR
+    if not (source / "model.safetensors").is_file() and not any(source.glob("*.safetensors*")):
+        raise RuntimeError(f"{actor} has no HF model in {HF_DIR}/: verl saved it without hf_model")
+    with atomic_dir(out, force=True) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    return out, _logits_diff(None, out)
+
+
 def _probe_BS(tokenizer) -> torch.Tensor:
     texts = ["3+4=7", "9-5=4", "0+0=0"]
     rows = [
@@ -38,7 +61,9 @@ def _probe_BS(tokenizer) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logits_diff(actor: Path, export: Path) -> float:
+def _logits_diff(actor: Path | None, export: Path) -> float:
+    """megatron-core on `actor` (our checkpoint; None: on the export itself, through the
+    engine's HF loader) against transformers on the export."""
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     from backend.device import prepare_device
@@ -54,7 +79,10 @@ def _logits_diff(actor: Path, export: Path) -> float:
     try:
         spec = load_qwen3_moe_spec(export)
         model = build_model(spec, groups).eval()
-        weights.load_model(model, actor / MODEL_DIR)
+        if actor is None:
+            weights.load_hf(model, export, spec, groups)
+        else:
+            weights.load_model(model, actor / MODEL_DIR)
         mcore_BSV = forward_logits(model, probe_BS)
     finally:
         destroy_parallel()

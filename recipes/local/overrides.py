@@ -72,6 +72,8 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 def cpu_overrides(run) -> dict[str, dict]:
     """{concern: {override: value}} for the embedded run (run: recipes.dapo.overrides.RunSpec)."""
+    from recipes.dapo.overrides import plan_label
+
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     world, task = run.plan.world, TASKS[run.task]
     return {
@@ -122,8 +124,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             "trainer.val_before_train": True,
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
-            "trainer.experiment_name": f"{task['run_name']}-cpu-tp{run.plan.tp}-ep{run.plan.ep}"
-            + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else ""),
+            "trainer.experiment_name": f"{task['run_name']}-cpu-{plan_label(run)}",
         },
         "ray_env": {
             "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,

@@ -81,13 +81,14 @@ def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
 
 
 def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float = 0.9,
-           console=None, world: int = 1, prepared_s: float = 0.0) -> int:  # fmt: skip
+           console=None, world: int = 1, prepared_s: float = 0.0,
+           engine: str = "mcore_ep") -> int:  # fmt: skip
     """Export against `model` (the trained one: its config and tokenizer), reload check,
     routing report, reward curve, summary (after verl returns); with
     a console (recipes.dapo.console) what that work prints goes to the run's log, and the
     summary is the last thing on screen."""
     with console.capture() if console else nullcontext():
-        summary = _finish_files(out, model, wall_s, verl_s, target, world, prepared_s)
+        summary = _finish_files(out, model, wall_s, verl_s, target, world, prepared_s, engine)
     if console:
         console.close()
     print_summary(summary)
@@ -96,18 +97,22 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
 
 
 def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
-                  world: int, prepared_s: float = 0.0) -> dict:  # fmt: skip
-    from recipes.dapo.health import latest_actor_checkpoint, routing_report
-    from recipes.local.export import check_export
+                  world: int, prepared_s: float = 0.0, engine: str = "mcore_ep") -> dict:  # fmt: skip
+    from recipes.dapo.health import latest_actor_checkpoint, latest_fsdp_checkpoint, routing_report
+    from recipes.local.export import check_export, check_fsdp_export
 
     history = read_history(out / METRICS)
-    actor = latest_actor_checkpoint(out / "checkpoints")
+    ours = engine == "mcore_ep"
+    root = out / "checkpoints"
+    actor = latest_actor_checkpoint(root) if ours else latest_fsdp_checkpoint(root)
     paths: dict = {"model": model, "tensorboard": out / "tensorboard", "checkpoint": actor}
     diff = None
-    if actor is not None:
+    if actor is not None and ours:
         export_dir, diff = check_export(actor, model, out / "export_hf")
         paths["export"] = export_dir
         paths.update(routing_report(actor / "moe_report.json", out))
+    elif actor is not None:  # verl's FSDP engine: no routing monitor of ours in it
+        paths["export"], diff = check_fsdp_export(actor, out / "export_hf")
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
     return write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
                          world=world, export_max_logits_diff=diff,
@@ -181,6 +186,6 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
             return code
         return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
                       console=console, world=resolved.run.plan.world,
-                      prepared_s=prepared_s)  # fmt: skip
+                      prepared_s=prepared_s, engine=resolved.run.engine)  # fmt: skip
     finally:
         console.close()
