@@ -14,7 +14,6 @@ crafted file is refused before verl touches it; a truncated one is unreadable in
 
 import io
 import json
-import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from converters.hf_io import CheckpointError
-from converters.safe_pickle import _ZIP_MAGIC, UnsafeCheckpointError
+from converters.safe_pickle import _ZIP_MAGIC, TorchSaveUnpickler, UnsafeCheckpointError
 
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 2, "world_size": W}, written with the save
 KINDS = ("model", "optim", "extra_state")
@@ -83,12 +82,9 @@ class _Refused(Exception):
     pass
 
 
-class FsdpUnpickler(pickle.Unpickler):
-    """Stand-ins for FSDP_ALLOWED only; storages must be records of the archive."""
-
-    def __init__(self, file, records: set[str]):
-        super().__init__(file)
-        self.records = records
+class FsdpUnpickler(TorchSaveUnpickler):
+    """Stand-ins for FSDP_ALLOWED only; storages (of any dtype) must be records of the
+    archive."""
 
     def find_class(self, module: str, name: str):
         if (module, name) not in FSDP_ALLOWED:

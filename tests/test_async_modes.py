@@ -1,8 +1,9 @@
-"""verl's two async trainer modes with our engine, end to end on CPU (tiny model, a few steps):
-`--trainer-mode colocate_async` (partial rollouts across weight updates, on the trainer's
-devices) and `--trainer-mode separate_async` (a vLLM engine of its own, fed by the gloo weight
-channel, recipes.dapo.weight_channel). The colocate run's checkpoint holds the TransferQueue
-state verl unpickles on resume: the launcher's resume check vets it (converters.queue_state)."""
+"""verl's separate_async trainer mode with our engine, end to end on CPU (tiny model, a few
+steps): a vLLM engine of its own, fed by the gloo weight channel (recipes.dapo.weight_channel).
+Its checkpoint holds the TransferQueue state verl unpickles on resume: the launcher's resume
+check vets it (converters.queue_state). colocate_async's overrides are tested in
+tests/test_trainer_modes.py; its launch is measured by scripts/bench/async_modes.py, not in CI
+(docs/async_modes.md)."""
 
 import pytest
 
@@ -58,25 +59,23 @@ def test_the_console_shows_the_lag(separate_run):
     assert any("| lag " in s for s in steps)
 
 
-def test_colocate_async_runs_and_its_queue_state_passes_the_resume_check(tmp_path):
+def test_the_queue_state_verl_wrote_passes_the_resume_check(separate_run, tmp_path):
     """Bug caught: the async modes' TransferQueue state refused (or passed unchecked) by the
-    launcher's resume check, on the state verl really writes. (The resumed launch itself,
-    verl restoring the prompt groups into our engine's run, was run by hand: docs/async_modes.md;
-    a relaunch here costs two minutes of CI.)"""
+    launcher's resume check, on the state verl really writes. (Resumed launches of both async
+    modes ran by hand and in earlier CI: docs/async_modes.md; a relaunch here, or a
+    colocate_async launch, costs two to three minutes of CI.)"""
+    import shutil
+
     from recipes.dapo import resume
 
-    out = tmp_path / "colocate"
-    first = launch(
-        out, "--trainer-mode", "colocate_async", "--steps", "2", overrides=("trainer.save_freq=1",)
-    )
-    assert first.returncode == 0
-    assert [r["training/global_step"] for r in rows_of(out)] == [1, 2]
-    queue = out / "checkpoints" / "global_step_2" / "transfer_queue"
+    out = tmp_path / "copy"
+    shutil.copytree(separate_run[0] / "checkpoints", out)
+    queue = out / "global_step_3" / "transfer_queue"
     assert check_queue_state(queue) >= 2  # genuine state passes the allow-list
-    groups = {"trainer": {"trainer.default_local_dir": str(out / "checkpoints"),
-                          "trainer.resume_mode": "auto", "trainer.v1.trainer_mode": "colocate_async"}}  # fmt: skip
-    assert resume.check_resume(groups, tmp_path) == out / "checkpoints" / "global_step_2"
-    storage = next(p for p in queue.rglob("*") if p.is_file())
+    groups = {"trainer": {"trainer.default_local_dir": str(out), "trainer.resume_mode": "auto",
+                          "trainer.v1.trainer_mode": "separate_async"}}  # fmt: skip
+    assert resume.check_resume(groups, tmp_path) == out / "global_step_3"
+    storage = next(p for p in sorted(queue.rglob("*")) if p.is_file())
     storage.write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # a pickle that would run a command
     with pytest.raises(CheckpointError):
         resume.check_resume(groups, tmp_path)

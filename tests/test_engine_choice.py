@@ -8,21 +8,11 @@ import sys
 
 import pytest
 
-from recipes.dapo import overrides, resolution
-from recipes.dapo.cluster import LaunchError
+from parallel.plan import PlanError
+from recipes.dapo import overrides
+from tests.test_trainer_modes import cli, resolved
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
-
-
-def resolved(argv: list[str], extra: list[str] = ()):
-    args = resolution.build_parser().parse_args([*argv, "--dry-run"])
-    if args.device in ("npu", "cuda"):
-        return resolution.resolve(args, args.device, list(extra))
-    return resolution.resolve_local(args, list(extra))[0]
-
-
-def cli(res) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in overrides.to_cli(res.groups))
 
 
 def test_fsdp_on_cpu_sets_only_verls_fsdp_keys(tmp_path):
@@ -70,7 +60,7 @@ def test_fsdp_on_the_cluster_shards_over_every_device_without_the_cpu_pieces():
     ],
 )
 def test_fsdp_refuses_what_it_cannot_run(tmp_path, argv, message):
-    with pytest.raises(LaunchError, match=message):
+    with pytest.raises(PlanError, match=message):
         resolved(["--engine", "fsdp", "--model", "tiny", "--ckpt-dir", str(tmp_path), *argv])
 
 

@@ -88,7 +88,7 @@ PHASES = (
         re.compile(r"Started a local Ray instance|Connected to Ray cluster"),
         "verl's driver and data",
     ),
-    (re.compile(r"create worker group"), "the actor (megatron-core workers)"),
+    (re.compile(r"create worker group"), "the actor workers"),
     (re.compile(r"actor and ref model engine initialized"), "vLLM rollout"),
     (re.compile(r"all initialize finished"), "the first validation"),
 )

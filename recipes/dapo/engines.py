@@ -17,8 +17,8 @@ worker). Attention is transformers' SDPA (verl's default asks for FlashAttention
 parameters train in fp32, as ours do on CPU.
 """
 
+from parallel.plan import PlanError
 from recipes.dapo import BACKEND
-from recipes.dapo.cluster import LaunchError
 
 FSDP = "fsdp"
 ENGINES = (BACKEND, FSDP)
@@ -49,18 +49,25 @@ def fsdp_overrides(run) -> dict:
     return values
 
 
+def plan_label(run) -> str:
+    """The experiment name's plan part: tpT-epE (-ppP), or fsdpW for verl's FSDP engine."""
+    if run.engine != BACKEND:
+        return f"fsdp{run.plan.world}"
+    return f"tp{run.plan.tp}-ep{run.plan.ep}" + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else "")
+
+
 def check(engine: str, dims: dict, trainer_mode: str) -> None:
-    """--engine fsdp against the plan and the trainer mode, in one line."""
+    """--engine fsdp against the plan and the trainer mode: PlanError with one line."""
     if engine == BACKEND:
         return
     split = [f"--{d} {dims[d]}" for d in ("tp", "pp", "cp") if dims.get(d, 1) > 1]
     if split:
-        raise LaunchError(
+        raise PlanError(
             f"--engine fsdp shards parameters over every rank and splits no layer: drop "
             f"{', '.join(split)} (--ep N only counts the ranks, as ours would take them)"
         )
     if trainer_mode != "sync":
-        raise LaunchError(
+        raise PlanError(
             f"--engine fsdp runs --trainer-mode sync (the side by side's mode), not "
             f"{trainer_mode}: drop --trainer-mode"
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 from backend.common import DEVICE_TAGS
 from parallel.plan import ParallelPlan
 from recipes.dapo import BACKEND
+from recipes.dapo.engines import plan_label
 from recipes.dapo.fit import Fit
 
 DAPO = dict(
@@ -206,13 +207,6 @@ def trainer(run: RunSpec) -> dict:
         "trainer.project_name": "mcore-moe-dapo",
         "trainer.experiment_name": f"qwen3-30b-a3b-{label}-{plan_label(run)}",
     }
-
-
-def plan_label(run: RunSpec) -> str:
-    """The experiment name's plan part: tpT-epE (-ppP), or fsdpW for verl's FSDP engine."""
-    if run.engine != BACKEND:
-        return f"fsdp{run.plan.world}"
-    return f"tp{run.plan.tp}-ep{run.plan.ep}" + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else "")
 
 
 def ray_env(run: RunSpec) -> dict:

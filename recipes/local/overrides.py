@@ -72,7 +72,7 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 def cpu_overrides(run) -> dict[str, dict]:
     """{concern: {override: value}} for the embedded run (run: recipes.dapo.overrides.RunSpec)."""
-    from recipes.dapo.overrides import plan_label
+    from recipes.dapo.engines import plan_label
 
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     world, task = run.plan.world, TASKS[run.task]
