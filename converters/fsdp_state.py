@@ -8,20 +8,17 @@ such file first with an unpickler that builds stand-ins only, for exactly the gl
 saves hold (read from FSDP2 saves on CPU at world 1 and 2): DTensor shards (their spec, device
 mesh, placements), plain tensors and storages, the scheduler's containers, and the RNG states
 (numpy's arrays, torch's byte states). Nothing named in a file is imported or called, so a
-crafted file is refused before verl touches it; a truncated one is unreadable in one line.
+crafted file is refused before verl touches it; a truncated one is unreadable in one line
+(converters.safe_pickle.check_torch_save, with this allow-list).
 `is_complete(actor)`: every rank's files are there (verl writes the tracker after the save).
 """
 
-import io
 import json
 import re
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
-
-from converters.hf_io import CheckpointError
-from converters.safe_pickle import _ZIP_MAGIC, TorchSaveUnpickler, UnsafeCheckpointError
+from converters.safe_pickle import TorchSaveUnpickler, _Unplain, check_torch_save
 
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 2, "world_size": W}, written with the save
 KINDS = ("model", "optim", "extra_state")
@@ -78,17 +75,13 @@ class _StandIn:
         pass
 
 
-class _Refused(Exception):
-    pass
-
-
 class FsdpUnpickler(TorchSaveUnpickler):
     """Stand-ins for FSDP_ALLOWED only; storages (of any dtype) must be records of the
     archive."""
 
     def find_class(self, module: str, name: str):
         if (module, name) not in FSDP_ALLOWED:
-            raise _Refused(f"references {module}.{name}")
+            raise _Unplain(f"references {module}.{name}")
         return OrderedDict if name == "OrderedDict" else _StandIn
 
     def persistent_load(self, pid):
@@ -96,7 +89,7 @@ class FsdpUnpickler(TorchSaveUnpickler):
                 and isinstance(pid[2], str) and f"data/{pid[2]}" in self.records
                 and isinstance(pid[3], str) and type(pid[4]) is int):  # fmt: skip
             return _StandIn()
-        raise _Refused(f"holds a storage reference other than the archive's ({str(pid)[:80]})")
+        raise _Unplain(f"holds a storage reference other than the archive's ({str(pid)[:80]})")
 
 
 def rank_files(actor: Path) -> list[Path]:
@@ -128,35 +121,4 @@ def check_fsdp_checkpoint(actor: Path) -> None:
     """Raise UnsafeCheckpointError (or CheckpointError) unless every rank file of `actor` is a
     torch.save archive of FSDP checkpoint data (FSDP_ALLOWED)."""
     for path in rank_files(actor):
-        problem = _problem(path)
-        if problem:
-            raise UnsafeCheckpointError(
-                f"{path} is not verl's FSDP checkpoint data: it {problem}; refusing to load "
-                f"it (nothing in it was run): {_FIX}"
-            )
-
-
-def _problem(path: Path) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-                return "is not a torch.save zip archive (torch.load would unpickle it whole)"
-            f.seek(0)
-            reader = torch._C.PyTorchFileReader(f)
-            records = set(reader.get_all_records())
-            pkl = next((r for r in records if r.endswith("data.pkl")), None)
-            if any(r.endswith("constants.pkl") for r in records) or pkl is None:
-                return "is a TorchScript archive or has no data.pkl"
-            prefix = pkl.removesuffix("data.pkl")
-            stored = {r.removeprefix(prefix) for r in records}
-            FsdpUnpickler(io.BytesIO(reader.get_record(pkl)), stored).load()
-    except OSError as err:
-        raise CheckpointError(f"{path} is unreadable ({err.strerror}): {_FIX}") from None
-    except RuntimeError as err:  # torch's zip reader: a damaged or truncated archive
-        first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
-        raise CheckpointError(f"{path} is unreadable ({first}): {_FIX}") from None
-    except _Refused as err:
-        return str(err)
-    except Exception as err:  # a malformed pickle (truncated, wrong opcodes)
-        return f"holds a malformed pickle ({type(err).__name__})"
-    return None
+        check_torch_save(path, "verl's FSDP checkpoint data", _FIX, unpickler=FsdpUnpickler)

@@ -266,10 +266,11 @@ class TorchSaveUnpickler(pickle.Unpickler):
         )
 
 
-def check_torch_save(path: str | Path, what: str, fix: str) -> None:
+def check_torch_save(path: str | Path, what: str, fix: str, unpickler=None) -> None:
     """Raise UnsafeCheckpointError (or CheckpointError) unless `path` is a torch.save archive
     of plain data (TORCH_SAVE_ALLOWED), read as torch.load reads it: the first bytes, then
-    torch's own zip reader. `what` names the file's role, `fix` what the user can do."""
+    torch's own zip reader. `what` names the file's role, `fix` what the user can do;
+    `unpickler`: a TorchSaveUnpickler subclass with another allow-list (raising _Unplain)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -277,7 +278,7 @@ def check_torch_save(path: str | Path, what: str, fix: str) -> None:
                 problem = "is not a torch.save zip archive (torch.load would unpickle it whole)"
             else:
                 f.seek(0)
-                problem = _archive_problem(torch._C.PyTorchFileReader(f))
+                problem = _archive_problem(torch._C.PyTorchFileReader(f), unpickler)
     except OSError as err:
         raise CheckpointError(f"{path} is unreadable ({err.strerror}): {fix}") from None
     except RuntimeError as err:  # torch's zip reader: a damaged or truncated archive
@@ -289,14 +290,14 @@ def check_torch_save(path: str | Path, what: str, fix: str) -> None:
         )
 
 
-def _archive_problem(reader) -> str | None:
+def _archive_problem(reader, unpickler=None) -> str | None:
     records = set(reader.get_all_records())
     if "constants.pkl" in records:
         return "is a TorchScript archive (torch.load would run it as code)"
     if "data.pkl" not in records:
         return "has no data.pkl"
     try:
-        TorchSaveUnpickler(io.BytesIO(reader.get_record("data.pkl")), records).load()
+        (unpickler or TorchSaveUnpickler)(io.BytesIO(reader.get_record("data.pkl")), records).load()
     except _Unplain as err:
         return str(err)
     except Exception as err:  # any malformed pickle (truncated, wrong opcodes, bad arguments)
