@@ -41,6 +41,7 @@ class GroupedExperts(MegatronModule):
         groups: ProcessGroups,
         gemm: str = "auto",
         recompute_act: bool = False,
+        name: str | None = None,  # megatron-core >= 0.19 names each module top-down
     ):
         super().__init__(config=config)
         _check_config(config)

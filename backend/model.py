@@ -6,6 +6,7 @@ process groups, dtype and device, token dispatcher, fusions, recompute, our fast
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -114,7 +115,6 @@ def transformer_config(spec, groups: ProcessGroups, opts: BuildOptions):
 
 def with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
     """A local layer spec with our grouped experts / SDPA attention swapped in as `opts` asks."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from backend.attention import SDPAttention
     from backend.experts import GroupedExperts
@@ -124,17 +124,28 @@ def with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
         attention = replace(layer.self_attention.submodules, core_attention=SDPAttention)
         layer = replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
     if opts.resolved_experts() == "grouped":
-        experts = ModuleSpec(
-            module=GroupedExperts,
-            params={
-                "groups": groups,
-                "gemm": opts.grouped_gemm,
-                "recompute_act": opts.resolved_recompute() == "selective",
-            },
-        )
-        moe = replace(layer.mlp.submodules, experts=experts)
-        layer = replace(layer, mlp=replace(layer.mlp, submodules=moe))
+        params = {
+            "groups": groups,
+            "gemm": opts.grouped_gemm,
+            "recompute_act": opts.resolved_recompute() == "selective",
+        }
+        layer = replace(layer, mlp=with_experts(layer.mlp, GroupedExperts, params))
     return replace(spec, submodules=layer)
+
+
+def with_experts(mlp, module, params: dict):
+    """The MoE layer's spec with its experts built by `module(..., **params)`.
+
+    megatron-core <= 0.16 describes the layer as a ModuleSpec whose experts are a ModuleSpec;
+    0.19 as functools.partial(MoELayer, submodules=...) whose experts are called as builders
+    (`experts(num_local_experts, config, pg_collection=, name=)`)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(mlp, ModuleSpec):
+        moe = replace(mlp.submodules, experts=ModuleSpec(module=module, params=params))
+        return replace(mlp, submodules=moe)
+    moe = replace(mlp.keywords["submodules"], experts=partial(module, **params))
+    return partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
 
 
 def build_model(spec, groups: ProcessGroups, opts: BuildOptions | None = None):

@@ -3,7 +3,9 @@
 import importlib
 from types import ModuleType
 
-A2_SET = "an A2 set (`bash scripts/bootstrap.sh --target npu|npu-cann851` in its base image)"
+A2_SET = (
+    "an A2 set (`bash scripts/bootstrap.sh --target npu|npu-cann851|npu-cann91` in its base image)"
+)
 # module -> what to install; shown when the import fails
 INSTALL_HINTS = {
     "torch_npu": "the Ascend stack: CANN plus `pip install torch_npu` matching your torch",

@@ -104,6 +104,11 @@ class ReplayRouting:
             return probs_TE, map_TE
         idx_TK, use_T = target
         config = self.router.config
+        if idx_TK.shape[-1] != config.moe_router_topk:  # another model's routes: never replayed
+            raise ReplayError(
+                f"routes hold {idx_TK.shape[-1]} experts a token, layer {self.router.layer_number}"
+                f"'s router picks top-{config.moe_router_topk}: are the routes this model's?"
+            )
         logits_TE = logits.reshape(-1, config.num_moe_experts)
         idx_TK = idx_TK.to(logits_TE.device, torch.long)
         # unused rows (padding): any valid index, their result is discarded by the where below

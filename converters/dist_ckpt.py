@@ -137,13 +137,15 @@ def _write_metadata(root: Path, metadata: Metadata) -> None:
 
 def _strategy(layout: Layout, materialize: Callable, progress: Callable, hashed: dict):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
 
-    class StreamingTorchDist(SaveShardedStrategy):
+    # a torch_dist strategy whose save() is ours: megatron-core 0.19's save() replaces any
+    # strategy that is not one (its SaveShardedStrategy base is gone)
+    class StreamingTorchDist(TorchDistSaveShardedStrategy):
         @property
         def can_handle_sharded_objects(self) -> bool:
             return True

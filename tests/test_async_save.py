@@ -29,13 +29,16 @@ def slow_writer(monkeypatch):
     """Every torch_dist write starts WRITE_DELAY_S late (the forked writer inherits it)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    write = FileSystemWriterAsync.write_preloaded_data_multiproc
+    # the writer's entry point: _multiproc up to megatron-core 0.16, _multithread in 0.19
+    name = next(n for n in ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
+                if hasattr(FileSystemWriterAsync, n))  # fmt: skip
+    write = getattr(FileSystemWriterAsync, name)
 
     def late(*args, **kwargs):
         time.sleep(WRITE_DELAY_S)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(late))
+    monkeypatch.setattr(FileSystemWriterAsync, name, staticmethod(late))
 
 
 def _async(**checkpoint):

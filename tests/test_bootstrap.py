@@ -1,5 +1,6 @@
 """bootstrap.sh refuses what it must not touch, before installing anything."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def test_unknown_target_is_refused():
     run = _bootstrap("--target", "tpu")
     assert run.returncode == 2
     assert run.stderr.strip() == (
-        "bootstrap: unknown target 'tpu': use --target cpu, cuda, npu or npu-cann851"
+        "bootstrap: unknown target 'tpu': use --target cpu, cuda, npu, npu-cann851 or npu-cann91"
     )
 
 
@@ -60,7 +61,7 @@ def _image(tmp_path, **versions: str) -> str:
     base image's packages, faked: metadata only)."""
     for name, version in versions.items():
         info = tmp_path / f"{name}-{version}.dist-info"
-        info.mkdir()
+        info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return str(tmp_path)
 
@@ -91,3 +92,73 @@ def test_npu_cann851_image_passes_then_cann_must_be_sourced(tmp_path):
         "(and nnal/atb/set_env.sh) first"
     ]
     assert run.stdout == "" and not (REPO / ".stack").exists()
+
+
+def test_npu_cann91_checks_its_image_then_cann(tmp_path):
+    """The CANN 9.1.0 image (torch 2.10.0, torch_npu 2.10.0.post4, triton-ascend 3.2.2): the
+    cann851 image's triton-ascend is refused naming this set's; the whole image passes and CANN
+    must be sourced next, before anything is installed (nothing in .stack)."""
+    run = _bootstrap("--target", "npu-cann91", PYTHON=sys.executable)
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "bootstrap: torch 2.13.0 is installed, the npu-cann91 set needs 2.10.0: use the A2 base "
+        "image with torch 2.10.0 + torch_npu 2.10.0.post4 + triton-ascend 3.2.2 (CANN 9.1.0: "
+        "vllm-ascend's v0.23.0.post1 image)"
+    )
+    old = _image(tmp_path / "old", torch="2.10.0+cpu", torch_npu="2.10.0.post4",
+                 triton_ascend="3.2.0.dev20260322")  # fmt: skip
+    run = _bootstrap("--target", "npu-cann91", PYTHON=sys.executable, PYTHONPATH=old)
+    assert run.stderr.startswith(
+        "bootstrap: triton-ascend 3.2.0.dev20260322 is installed, the npu-cann91 set needs 3.2.2"
+    )
+    good = _image(tmp_path / "good", torch="2.10.0+cpu", torch_npu="2.10.0.post4",
+                  triton_ascend="3.2.2")  # fmt: skip
+    run = _bootstrap("--target", "npu-cann91", PYTHON=sys.executable, PYTHONPATH=good)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().startswith("bootstrap: CANN is not sourced")
+    assert not (REPO / ".stack").exists()
+
+
+def test_npu_cann91_builds_vllm_ascend_from_its_checked_sdist(tmp_path):
+    """Past the checks (a faked image: pip and git record their calls): the lock --no-deps, then
+    MindSpeed and vllm from git, then vllm-ascend 0.23.0.post1 (no git tag has it) from PyPI's
+    sdist with its sha256 required, built against the image (--no-build-isolation) for A2."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copytree(REPO / "scripts" / "stacks", repo / "scripts" / "stacks")
+    shutil.copy(REPO / "scripts" / "bootstrap.sh", repo / "scripts")
+    log, fake = tmp_path / "calls.log", tmp_path / "bin"
+    fake.mkdir()
+    image = _image(tmp_path / "image", torch="2.10.0+cpu", torch_npu="2.10.0.post4",
+                   triton_ascend="3.2.2")  # fmt: skip
+    (fake / "python").write_text(
+        f'#!/bin/bash\nif [[ $1 == -m ]]; then echo "SOC=$SOC_VERSION $*" >> {log}; '
+        f'[[ $* == *"-r "* ]] && cp "${{@: -1}}" {tmp_path}/req_$RANDOM.txt; exit 0; fi\n'
+        f'PYTHONPATH={image} exec {sys.executable} "$@"\n'
+    )
+    (fake / "git").write_text(
+        f'#!/bin/bash\necho "git $*" >> {log}\n[[ $1 == clone ]] && mkdir -p "${{@: -1}}"\n'
+        "[[ $* == *rev-parse\\ --quiet* ]] && exit 1\nexit 0\n"
+    )
+    for exe in fake.iterdir():
+        exe.chmod(0o755)
+    run = subprocess.run(
+        ["bash", "scripts/bootstrap.sh", "--target", "npu-cann91"], cwd=repo, capture_output=True,
+        text=True, timeout=120, env={"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path),
+        "PYTHON": str(fake / "python"), "ASCEND_HOME_PATH": "/usr/local/Ascend"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    calls = log.read_text().splitlines()
+    pips = [c for c in calls if " pip install " in c]
+    assert "--no-deps -r" in pips[0]  # the lock first
+    assert [c.split()[-1].rsplit("/", 1)[-1] for c in pips[2:4]] == ["mindspeed", "vllm"]
+    sdist = pips[4]
+    assert sdist.startswith("SOC=ascend910b1 ") and "--no-build-isolation" in sdist
+    assert "--no-binary vllm-ascend --require-hashes -r" in sdist
+    reqs = [p.read_text() for p in tmp_path.glob("req_*.txt")]
+    assert (
+        "vllm-ascend==0.23.0.post1 --hash=sha256:"
+        "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1\n"
+    ) in reqs
+    assert not any("vllm-ascend" in c for c in calls if c.startswith("git clone"))
+    assert (repo / ".stack").read_text().startswith("npu-cann91 ")

@@ -82,10 +82,30 @@ def test_the_npu_cann851_set_pins_the_cann_8_5_1_stack():
     assert [refs[n][1] for n in ("mindspeed", "vllm", "vllm-ascend")] == [
         "core_r0.16.0", "v0.18.0", "v0.18.0",
     ]  # fmt: skip
-    assert stack.A2_TARGETS == ("npu", "npu-cann851")
+    assert stack.A2_TARGETS == ("npu", "npu-cann851", "npu-cann91")
 
 
-@pytest.mark.parametrize("target", ["npu", "npu-cann851", "cuda"])
+def test_the_npu_cann91_set_pins_the_cann_9_1_stack():
+    """vllm-ascend 0.23.0.post1's pins (torch 2.10.0, torch_npu 2.10.0.post4, triton-ascend
+    3.2.2), its vLLM 0.23.0, MindSpeed core_r0.16.0 with megatron-core 0.16.0 (verl's Ascend
+    guidance); transformers 5.10.4 over vllm-ascend's 5.5.4 pin; vllm-ascend from its sdist."""
+    want, old = stack.expected("npu-cann91"), stack.expected("npu-cann851")
+    assert (want["torch"], want["torch-npu"], want["triton-ascend"]) == (
+        "2.10.0", "2.10.0.post4", "3.2.2",
+    )  # fmt: skip
+    assert (want["torchvision"], want["torchaudio"]) == ("0.25.0", "2.10.0")
+    assert want["megatron-core"] == "0.16.0" and want["mindspeed"] == "0.16.0"
+    assert want["vllm"] == "0.23.0" and want["vllm-ascend"] == "0.23.0.post1"
+    for name in ("verl", "transformers", "transferqueue", "numpy"):
+        assert want[name] == old[name], name
+    refs = stack.git_refs("npu-cann91")
+    assert [refs[n][1] for n in ("mindspeed", "vllm", "vllm-ascend")] == [
+        "core_r0.16.0", "v0.23.0", "sdist",
+    ]  # fmt: skip
+    assert stack.BASE_IMAGE["npu-cann91"] == ("torch", "torch-npu", "triton-ascend")
+
+
+@pytest.mark.parametrize("target", ["npu", "npu-cann851", "npu-cann91", "cuda"])
 def test_the_exact_set_passes_local_labels_ignored(monkeypatch, target):
     versions = _good(target)
     versions["torch"] += "+cu130" if target == "cuda" else "+cpu"
@@ -178,14 +198,37 @@ def test_dry_run_names_the_a2_set_and_r3_there(monkeypatch, capsys):
     assert stack_line.startswith("stack: the npu-cann851 set's image, but CANN is not sourced")
 
 
+def test_dry_run_on_npu_cann91_says_r3_is_available_with_its_caveats(monkeypatch, capsys):
+    """The CANN 9.1 image: R3 available (vllm-ascend 0.23.0.post1 on vLLM 0.23.0), with what
+    it cannot record and what has not run; the routes sized as uint8 for Qwen3-30B-A3B."""
+    stack_line, r3 = _described(monkeypatch, capsys, _good("npu-cann91"))
+    assert stack_line == "stack: the npu-cann91 set"
+    assert r3.startswith("  R3 with the npu-cann91 set: available: vllm-ascend 0.23.0.post1 ")
+    for caveat in (
+        "quantized MoE (records nothing)",
+        "EPLB",
+        "DP 1 with TP > 1",
+        "vllm-ascend#15451",
+        "not run on A2 here",
+        "runs on A3 only",
+        "uint8",
+    ):
+        assert caveat in r3, caveat  # fmt: skip
+    broken = {**_good("npu-cann91"), "triton-ascend": "3.2.0.dev20260322"}
+    stack_line, _ = _described(monkeypatch, capsys, broken)
+    assert stack_line.startswith("stack: the npu-cann91 set's image, but triton-ascend 3.2.0.dev")
+    assert "CANN 9.1.0" in stack_line and "never installs or replaces it" in stack_line
+
+
 def test_dry_run_on_neither_a2_set_names_both_and_the_fix(monkeypatch, capsys):
     stack_line, *r3 = _described(monkeypatch, capsys, {"torch": "2.8.0", "torch-npu": "2.8.0"})
     assert stack_line.startswith("stack: torch 2.8.0 is installed (torch-npu 2.8.0), neither A2 ")
     assert "the npu set needs torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)" in stack_line
     assert "the npu-cann851 set needs torch 2.9.0 + torch_npu 2.9.0.post1" in stack_line
     assert stack_line.endswith("then `bash scripts/bootstrap.sh --target <that set>`")
+    assert "the npu-cann91 set needs torch 2.10.0 + torch_npu 2.10.0.post4" in stack_line
     assert [line.split(":")[0] for line in r3] == [
-        "  R3 with the npu set", "  R3 with the npu-cann851 set",
+        "  R3 with the npu set", "  R3 with the npu-cann851 set", "  R3 with the npu-cann91 set",
     ]  # fmt: skip
 
 
@@ -217,7 +260,7 @@ def _pins(path):
     )
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda", "npu", "npu-cann851"])
+@pytest.mark.parametrize("target", ["cpu", "cuda", "npu", "npu-cann851", "npu-cann91"])
 def test_each_lock_keeps_its_stack_pins(target):
     """What <target>.in pins is what its lock (what bootstrap installs) holds."""
     lock = {

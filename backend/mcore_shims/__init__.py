@@ -15,11 +15,13 @@ shims wherever megatron-core has one (see backend.model):
 The distributed optimizer (DistributedDataParallel + get_megatron_optimizer) runs on CPU in
 fp32 with the `dist_optim_*` / `optimizer_*` shims; bf16 stays on accelerators.
 
-Measured on megatron-core 0.12.1 and 0.16.1 with torch 2.13 (CPU).
+Measured on megatron-core 0.12.1, 0.16.1 and 0.19.2 with torch 2.13 (CPU); each shim's
+`releases` were read in those releases' sources.
 """
 
 from backend.mcore_shims.cuda_device import (
     CUDA_CURRENT_DEVICE_IS_CPU,
+    CUDA_CURRENT_STREAM_IS_NONE,
     CUDA_RNG_STATE_IS_EMPTY,
     CUDA_SYNCHRONIZE_IS_NOOP,
 )
@@ -53,6 +55,7 @@ SHIMS: tuple[Shim, ...] = (
     TORCH_NORM_SEQUENCE_PARALLEL,
     CUDA_RNG_STATE_IS_EMPTY,
     CUDA_SYNCHRONIZE_IS_NOOP,
+    CUDA_CURRENT_STREAM_IS_NONE,
     JIT_FUSER_WITHOUT_INDUCTOR,
     DIST_CKPT_WRITE_ITEM_FORMAT,
     OPTIMIZER_CUDA_LITERALS_ARE_CPU,

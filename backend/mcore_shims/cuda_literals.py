@@ -76,7 +76,7 @@ OPTIMIZER_CUDA_LITERALS_ARE_CPU = Shim(
     "total-norm and zero-count buffers); in those modules only, torch's factories build "
     "such tensors on the cpu",
     devices=("cpu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_optimizer_cuda_literals,
 )
 SCHEDULE_CUDA_LITERALS_ARE_CPU = Shim(
@@ -85,6 +85,6 @@ SCHEDULE_CUDA_LITERALS_ARE_CPU = Shim(
     "'cuda' (0.16.1: device='cuda'; 0.12.1: torch.tensor(0).cuda()); in that module only, "
     "such tensors stay on the cpu",
     devices=("cpu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_schedule_cuda_literals,
 )

@@ -26,7 +26,9 @@ def _patch_write_item_format() -> None:
 def _patch_numpy_product() -> None:
     import numpy as np
 
-    if hasattr(np, "product"):
+    from backend.compat import mcore_version
+
+    if mcore_version().release >= (0, 13) or hasattr(np, "product"):
         return
     alias = types.ModuleType("numpy")
     alias.__getattr__ = lambda name: getattr(np, name)

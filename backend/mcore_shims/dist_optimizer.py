@@ -59,7 +59,7 @@ DIST_OPTIM_FP32_CPU_PARAMS = Shim(
     "param.type() == 'torch.cuda.FloatTensor' for fp32 params (its fp32 branch only slices "
     "views); during that one call the model's cpu fp32 params answer that type",
     devices=("cpu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_dist_optim_fp32_params,
 )
 DIST_OPTIM_LOAD_ADAM_STEP = Shim(

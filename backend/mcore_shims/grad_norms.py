@@ -46,7 +46,7 @@ CLIP_GRADS_CPU = Shim(
     why="clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor'; for "
     "cpu fp32 grads the optimizer uses the same clip coefficient and scale without the assert",
     devices=("cpu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_clip_grads_cpu,
 )
 LOCAL_L2_NORM_ON_CPU = Shim(
@@ -54,6 +54,6 @@ LOCAL_L2_NORM_ON_CPU = Shim(
     why="without Apex/TE, clip_grads uses utils.local_multi_tensor_l2_norm, which returns "
     "the norm on device='cuda'; the same norm, returned on the cpu",
     devices=("cpu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_local_l2_norm_cpu,
 )

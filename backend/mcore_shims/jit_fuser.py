@@ -63,6 +63,6 @@ JIT_FUSER_WITHOUT_INDUCTOR = Shim(
     "not target; megatron-core has no flag for it (0.16's disable_jit_fuser only affects "
     "modules imported later), so npu runs the same functions eagerly",
     devices=("npu",),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_jit_fuser_off,
 )

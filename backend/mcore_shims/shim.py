@@ -3,8 +3,9 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# the megatron-core releases the project tests (0.12.1 under MindSpeed, 0.16.1 elsewhere)
-TESTED_RELEASES = ("0.12.1", "0.16.1")
+# the megatron-core releases the project tests (0.12.1 under MindSpeed, 0.16.1 elsewhere, and
+# the newest, 0.19.2: its mcore_compat tests)
+TESTED_RELEASES = ("0.12.1", "0.16.1", "0.19.2")
 
 
 @dataclass(frozen=True)

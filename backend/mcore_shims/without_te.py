@@ -69,7 +69,7 @@ TORCH_NORM_SEQUENCE_PARALLEL = Shim(
     "with TP > 1; the norm is token-wise, so it is built with the check off and its "
     "weights tagged sequence_parallel",
     devices=("cpu", "cuda"),
-    releases=("0.12.1", "0.16.1"),
+    releases=("0.12.1", "0.16.1", "0.19.2"),
     patch=_patch_torch_norm_sequence_parallel,
 )
 FP8_QUANTIZE_WITHOUT_TE = Shim(

@@ -265,6 +265,11 @@ def micro_batch_routes(
     from backend.router_replay import Routes, route_dtype
 
     rows = routes.unbind() if routes.is_nested else list(routes)
+    if rows[0].dim() != 3:  # vLLM's routed_experts: [positions, layers, top-k] a request
+        raise BatchError(
+            f"routed_experts rows are {tuple(rows[0].shape)}: expected [positions, layers, "
+            "top-k] a row, as vLLM returns them"
+        )
     _check_routes(routes, rows[0].shape[-2], layers, num_experts)
     dtype, top_k = route_dtype(num_experts), rows[0].shape[-1]
     experts_BSLK = torch.zeros(*mb.ids_BS.shape, len(layers), top_k, dtype=dtype)
@@ -292,6 +297,8 @@ def _check_routes(routes, num_layers: int, layers: range, num_experts: int) -> N
             f"routed_experts covers {num_layers} layers, the model has more (up to layer "
             f"{layers.stop - 1}): are the routes this model's?"
         )
+    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # vLLM's > 256 experts
+        values = values.to(torch.int64)  # torch has no min / max for them: the check only
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_experts):
         raise BatchError(
             f"routed_experts holds expert ids {int(values.min())}..{int(values.max())}, the "

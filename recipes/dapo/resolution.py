@@ -17,6 +17,7 @@ from pathlib import Path
 
 from backend.cli_contract import OneLineParser
 from recipes.dapo import (
+    a2_replay,
     check_actor_cp,
     cluster,
     data,
@@ -285,6 +286,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     check_mode(args.trainer_mode, groups)
+    a2_replay.check(device, groups)  # R3 on A2: rollouts vllm-ascend 0.23 cannot record
     check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
     groups = overrides.name_the_run(groups)
     return Resolved(

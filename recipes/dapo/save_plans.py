@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.compat import async_save_kwargs
+
 
 def structure_fingerprint(sharded_state_dict: dict) -> str:
     """sha256 of what a save plan depends on: every sharded entry's key, kind, global shape,
@@ -76,6 +78,7 @@ class SavePlans:
             # a new strategy's first save checks the sharding; the DP wrapper does it itself
             validate_access_integrity=fresh and not _spreads(strategy),
             async_sharded_save=async_save,
+            **async_save_kwargs(),
         )
         self.plan_s[kind] = time.perf_counter() - start
         return request

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from recipes.dapo.a2_replay import A2_R3
 from recipes.dapo.cluster import LaunchError
 
 STACKS = Path(__file__).resolve().parents[2] / "scripts" / "stacks"
@@ -23,15 +24,17 @@ _A2 = ("torch", "torch-npu", "megatron-core", "mindspeed", "vllm", "vllm-ascend"
 COMPONENTS = {
     "npu": _A2,
     "npu-cann851": (*_A2[:2], "triton-ascend", *_A2[2:]),
+    "npu-cann91": (*_A2[:2], "triton-ascend", *_A2[2:]),
     "cuda": ("torch", "vllm", "megatron-core", "transformers", "verl", "transferqueue"),
 }
-A2_TARGETS = ("npu", "npu-cann851")
+A2_TARGETS = ("npu", "npu-cann851", "npu-cann91")
 # CANN's set_env.sh exports these; torch_npu finds the toolkit through them
 CANN_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 # the A2 images' packages: bootstrap never installs or replaces them
 BASE_IMAGE = {
     "npu": ("torch", "torch-npu"),
     "npu-cann851": ("torch", "torch-npu", "triton-ascend"),
+    "npu-cann91": ("torch", "torch-npu", "triton-ascend"),
 }
 IMAGES = {
     "npu": "the A2 base image with torch 2.7.1 + torch_npu 2.7.1 (CANN 8.3.RC1)",
@@ -39,10 +42,16 @@ IMAGES = {
         "the A2 base image with torch 2.9.0 + torch_npu 2.9.0.post1 + triton-ascend "
         "3.2.0.dev20260322 (CANN 8.5.1: vllm-ascend's v0.18.0 image)"
     ),
+    "npu-cann91": (
+        "the A2 base image with torch 2.10.0 + torch_npu 2.10.0.post4 + triton-ascend 3.2.2 "
+        "(CANN 9.1.0: vllm-ascend's v0.23.0.post1 image)"
+    ),
 }
-# Whether the set's rollout returns routed_experts to verl 0.9.1 (docs/routing_replay.md). verl 0.9.1 asks vLLM for them only from 0.22.0 on: below it, vLLMHttpServer refuses
+# Whether the set's rollout returns routed_experts to verl 0.9.1 (docs/routing_replay.md). verl
+# 0.9.1 asks vLLM for them only from 0.22.0 on: below it, vLLMHttpServer refuses
 # rollout.enable_rollout_routing_replay=True (verl/workers/rollout/vllm_rollout/
-# vllm_async_server.py:445), whatever the platform plugin can capture.
+# vllm_async_server.py:445), whatever the platform plugin can capture. npu-cann91's caveats are
+# recipes.dapo.a2_replay's (what the launcher refuses there, and what it cannot check).
 R3 = {
     "npu": (
         "not available: vllm 0.11.0 + vllm-ascend 0.11.0rc1 return no routed_experts "
@@ -53,8 +62,9 @@ R3 = {
         "not available with verl 0.9.1: vllm-ascend 0.18.0 captures routed_experts (vLLM "
         "0.18.0's enable_return_routed_experts), but verl 0.9.1's vLLM server refuses "
         "enable_rollout_routing_replay below vLLM 0.22; use R2 or disabled (R3 on A2 needs "
-        "vllm-ascend >= 0.22.1rc1: vLLM 0.22.1, CANN 9.0.0, torch 2.10.0)"
+        "vllm-ascend >= 0.22.1rc1: vLLM 0.22.1, CANN 9.0.0, torch 2.10.0; the npu-cann91 set)"
     ),
+    "npu-cann91": A2_R3,
 }
 
 

