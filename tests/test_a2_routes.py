@@ -1,8 +1,9 @@
 """The routes vllm-ascend 0.23 returns (tests/data/vllm_ascend_0_23_routes.json: every field
 from vLLM 0.23.0 / vllm-ascend v0.23.0 source lines) are what the engine's R3 path consumes:
 numpy uint8 [prompt + response - 1, layers, top-k] (uint16 beyond 256 experts), as they come
-from vLLM and as verl 0.9.1's agent loop hands them on (int16), reach the routers unchanged and
-as uint8; a wrong shape or dtype is refused in one line, never replayed."""
+from vLLM, as verl 0.9.1's agent loop output hands them on (int16) and as ours does (uint8,
+recipes.dapo.compact_routes), reach the routers unchanged and as uint8; a wrong shape or dtype
+is refused in one line, never replayed."""
 
 import json
 import re
@@ -34,10 +35,25 @@ def vllm_routes(num_experts: int, layers: int, top_k: int, prompt: int, response
     return ids.reshape(rows, layers, top_k).astype(dtype)  # logical ids 0 .. E - 1
 
 
-def verl_agent_loop(array: np.ndarray) -> torch.Tensor:
-    """verl 0.9.1 agent_loop.py:783-809's conversion (no left padding here: the engine's rows
-    are unpadded)."""
-    return torch.from_numpy(array).to(torch.int16)
+def agent_loop_output(array: np.ndarray, prompt: int, response: int):
+    """verl 0.9.1's agent loop output of one request carrying the rollout's routes."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+
+    return AgentLoopOutput(prompt_ids=list(range(prompt)), response_ids=list(range(response)),
+                           response_mask=[1] * response, routed_experts=array, num_turns=2,
+                           metrics={})  # fmt: skip
+
+
+def through(via: str, array: np.ndarray, prompt: int, response: int) -> torch.Tensor:
+    """A request's routes as they leave the rollout side: vLLM's array itself; verl's agent
+    loop output as it enters the TransferQueue (`as_dict`: int16, aligned to prompt +
+    response rows); ours (recipes.dapo.compact_routes: the same, back at the rollout's dtype)."""
+    from recipes.dapo.compact_routes import compact
+
+    if via == "vllm":
+        return torch.from_numpy(array)
+    output = agent_loop_output(array, prompt, response)
+    return (compact(output) if via == "ours" else output).as_dict()["routed_experts"]
 
 
 def micro_batch(rows: list[torch.Tensor]) -> MicroBatch:
@@ -68,10 +84,13 @@ def test_the_format_file_names_its_sources():
     }
 
 
-@pytest.mark.parametrize("via", ["vllm", "verl_int16"])
-def test_mission_routes_arrive_unchanged_as_uint8(via):
+@pytest.mark.parametrize(
+    "via, arrives", [("vllm", torch.uint8), ("verl", torch.int16), ("ours", torch.uint8)]
+)
+def test_mission_routes_arrive_unchanged_as_uint8(via, arrives):
     """128 experts, 48 layers, top-8: uint8 [T, 48, 8]; replayed on every fed token, as uint8,
-    id for id (catches a route shifted by a row, a layer or a slot, or widened on the way)."""
+    id for id (catches a route shifted by a row, a layer or a slot, or widened on the way:
+    verl's own agent loop output widens them to int16, ours keeps the rollout's uint8)."""
     e, n_layers, k = (
         MISSION["num_experts"],
         MISSION["num_hidden_layers"],
@@ -83,7 +102,8 @@ def test_mission_routes_arrive_unchanged_as_uint8(via):
     ]
     assert all(a.dtype == np.uint8 and a.shape == (p + r - 1, 48, 8)
                for a, p, r in zip(arrays, PROMPTS, RESPONSES, strict=True))  # fmt: skip
-    rows = [torch.from_numpy(a) if via == "vllm" else verl_agent_loop(a) for a in arrays]
+    rows = [through(via, a, p, r) for a, p, r in zip(arrays, PROMPTS, RESPONSES, strict=True)]
+    assert {row.dtype for row in rows} == {arrives}
     routes = consumed(rows, e)
     assert routes.experts_BSLK.dtype == torch.uint8
     for b, a in enumerate(arrays):

@@ -101,6 +101,14 @@ def test_every_weight_sync_gives_the_rollout_the_actors_weights(mini_run):
         assert row["actor/grad_norm"] > 0, step
 
 
+def test_r3_routes_reach_the_engine_at_one_byte_an_id(mini_run):
+    """vLLM's uint8 routes (128 experts) arrive in the engine's batch as uint8 through verl's
+    agent loop, queue and batch (recipes.dapo.compact_routes): catches verl's int16 widening
+    (twice the bytes of every route on its way) coming back."""
+    rows = history(mini_run[0])
+    assert [row["actor/moe/rollout_routes/id_bytes"] for row in rows.values()] == [1.0, 1.0]
+
+
 def test_dynamic_sampling_evicts_groups_without_variance(mini_run):
     rows = history(mini_run[0])
     # the briefly warmed policy answers many sums wrong n times out of n: those groups must go

@@ -38,8 +38,9 @@ ISSUE_TP_SHARD = "vllm-ascend#15451"
 # the dry run's "R3 with the npu-cann91 set:" line
 A2_R3 = (
     "available: vllm-ascend 0.23.0.post1 (vLLM 0.23.0) returns routed_experts (uint8 "
-    "[prompt + response - 1, layers, top-k], logical expert ids; verl's agent loop passes them "
-    "on as int16, the engine moves them to the routers as uint8); not run on A2 here (no NPU; vllm-ascend's own R3 test runs on A3 only); refused "
+    "[prompt + response - 1, layers, top-k], logical expert ids), kept uint8 through verl's "
+    "agent loop (ours) to the routers; not run on A2 here (no NPU; vllm-ascend's own R3 test "
+    "runs on A3 only); refused "
     "with R3: quantized MoE (records nothing), EPLB, rollout expert parallelism at DP 1 with "
     f"TP > 1 ({ISSUE_TP_SHARD}); the default rollout (TP 2, no EP) has none of them"
 )

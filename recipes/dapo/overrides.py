@@ -16,6 +16,11 @@ from recipes.dapo import BACKEND
 from recipes.dapo.engines import plan_label
 from recipes.dapo.fit import Fit
 
+# verl's agent loop with R3's routes kept uint8 on their way to the engine
+# (recipes.dapo.compact_routes; verl reads the loop from this config file)
+AGENT_LOOPS = Path(__file__).with_name("agent_loops.yaml")
+AGENT_LOOP = "single_turn_compact_routes"
+
 DAPO = dict(
     max_prompt_length=2048,
     max_response_length=6144,
@@ -173,6 +178,8 @@ def rollout(run: RunSpec) -> dict:
         f"{r}.val_kwargs.top_k": -1,
         f"{r}.val_kwargs.do_sample": True,
         f"{r}.val_kwargs.n": 1,
+        f"{r}.agent.agent_loop_config_path": str(AGENT_LOOPS),
+        f"{r}.agent.default_agent_loop": AGENT_LOOP,
     }
 
 

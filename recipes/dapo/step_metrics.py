@@ -94,6 +94,8 @@ class StepMetrics:
         from recipes.dapo.mismatch import rollout_logprob_abs_diff
 
         metrics = self.routing.take_agreement()
+        if "routed_experts" in data.keys():  # the rollout's routes, as they reached the engine
+            metrics["moe/rollout_routes/id_bytes"] = float(data["routed_experts"].dtype.itemsize)
         if is_last_stage(self.groups) and "rollout_log_probs" in data.keys():
             metrics.update(
                 rollout_logprob_abs_diff(out["model_output"]["log_probs"], data, self.groups.dp)
