@@ -175,6 +175,11 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{rollout}.val_kwargs.top_k": -1,
         f"{rollout}.val_kwargs.do_sample": True,
         f"{rollout}.val_kwargs.n": 1,
+        # verl's single-turn loop keeping R3's routes uint8 (recipes/dapo/compact_routes.py)
+        f"{rollout}.agent.agent_loop_config_path": str(
+            Path(__file__).resolve().parents[1] / "recipes" / "dapo" / "agent_loops.yaml"
+        ),
+        f"{rollout}.agent.default_agent_loop": "single_turn_compact_routes",
         "reward.reward_manager.name": "dapo",
         f"{kw}.max_resp_len": D["max_response_length"],
         f"{kw}.overlong_buffer_cfg.enable": True,
