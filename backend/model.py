@@ -115,7 +115,6 @@ def transformer_config(spec, groups: ProcessGroups, opts: BuildOptions):
 
 def with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
     """A local layer spec with our grouped experts / SDPA attention swapped in as `opts` asks."""
-
     from backend.attention import SDPAttention
     from backend.experts import GroupedExperts
 

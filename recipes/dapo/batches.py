@@ -298,7 +298,7 @@ def _check_routes(routes, num_layers: int, layers: range, num_experts: int) -> N
             f"{layers.stop - 1}): are the routes this model's?"
         )
     if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # vLLM's > 256 experts
-        values = values.to(torch.int64)  # torch has no min / max for them: the check only
+        values = values.to(torch.int32)  # torch has no min / max for them: the check only
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_experts):
         raise BatchError(
             f"routed_experts holds expert ids {int(values.min())}..{int(values.max())}, the "
