@@ -1,1 +1,1 @@
-"""HF <-> megatron-core weight conversion, for every model family (backend.families)."""
+"""HF <-> megatron-core weight conversion, for every model family (backend.model.families)."""

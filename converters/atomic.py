@@ -1,12 +1,12 @@
 """Checkpoint outputs: the converters' checks of a target (exists, parent, free space) and their
-atomic, one-writer output directory (backend.atomic_outputs' mechanism, ConversionError)."""
+atomic, one-writer output directory (backend.shared.atomic_outputs' mechanism, ConversionError)."""
 
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from backend import atomic_outputs
+from backend.shared import atomic_outputs
 from converters.errors import ConversionError
 
 # headroom over the source size: metadata, manifest, serialisation overhead

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
+from backend.training.distributed import ProcessGroups
 from converters.sharding import (
     _mapping,
     expanded_parameters,

@@ -1,6 +1,6 @@
 """`python -m converters <verb>`: hf-to-mcore, mcore-to-hf, verify, manifest.
 
-Exit codes (backend.cli_contract): 0 done, 1 verify found differences, 2 bad input (one line
+Exit codes (backend.shared.cli_contract): 0 done, 1 verify found differences, 2 bad input (one line
 on stderr naming the file and the fix; --debug shows the traceback), 130 / 143 interrupted
 by SIGINT / SIGTERM (no output left behind).
 """
@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from backend.cli_contract import BROKEN_PIPE, OneLineParser, parse_or_exit_code, run_cli
+from backend.shared.cli_contract import BROKEN_PIPE, OneLineParser, parse_or_exit_code, run_cli
 from converters.errors import USER_ERRORS
 
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)

@@ -1,6 +1,6 @@
 """The two conversions, streaming: HF safetensors <-> megatron-core torch_dist checkpoint.
 
-Both walk the world-size-1 parameters in model order (converters.layout), turn each into
+Both walk the world-size-1 parameters in model order (converters.dist_layout), turn each into
 or out of its HF tensors with the model family's mappings (converters.table), and hold one
 parameter at a time. Checks run before anything is written; the output appears only
 when complete (converters.atomic) and carries a manifest (converters.manifest).
@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.families import family_of, load_spec
-from backend.weight_mappings import Mapping as WeightMapping
+from backend.model.families import family_of, load_spec
+from backend.model.weight_mappings import Mapping as WeightMapping
 from converters.atomic import atomic_dir, check_free_space, check_target
+from converters.dist_layout import Layout, build_layout
 from converters.dist_read import DistReader
 from converters.errors import ConversionError
 from converters.hf_source import HFSource
 from converters.hf_writer import ShardedWriter, TensorSpec, copy_template
-from converters.layout import Layout, build_layout
 from converters.manifest import ManifestWriter
 from converters.readahead import ReadAhead
 from converters.table import MappingError, combine_row, rows_by_name, split_row

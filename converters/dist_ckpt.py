@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from converters.layout import Layout
+from converters.dist_layout import Layout
 from converters.manifest import HashingStream
 from converters.output import open_output
 

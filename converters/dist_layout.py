@@ -46,12 +46,12 @@ class Layout:
 
 def world1_groups():
     """megatron-core parallel state at world size 1: the layout must be the unsharded one."""
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")  # before megatron is imported
     from megatron.core import parallel_state as ps
 
-    from backend.distributed import current_groups, init_parallel
+    from backend.training.distributed import current_groups, init_parallel
 
     if not ps.model_parallel_is_initialized():
         return init_parallel("cpu")
@@ -88,7 +88,7 @@ def _build_layout(spec, dtype: torch.dtype) -> Layout:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
 
     with torch.device("meta"):
         opts = BuildOptions(dtype=dtype, spec="local", init_weights=False)

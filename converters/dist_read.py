@@ -3,7 +3,7 @@
 `.metadata` (torch DCP) lists each global tensor's stored chunks and their byte ranges; a
 region is assembled from the chunks it overlaps, each read with pread and
 torch.load(weights_only=True). `.metadata` itself is a pickle: it is read with an exact
-allow-list of DCP's metadata classes and torch dtypes/sizes (converters.safe_pickle).
+allow-list of DCP's metadata classes and torch dtypes/sizes (converters.pickles.safe_pickle).
 """
 
 import io
@@ -19,7 +19,7 @@ import torch
 from converters.errors import ConversionError
 from converters.hf_source import read_exact, tensor_memory
 from converters.manifest import ChunkHashes, ManifestError, load_files_manifest
-from converters.safe_pickle import load_metadata
+from converters.pickles.safe_pickle import load_metadata
 
 METADATA = ".metadata"
 CONFIG = "metadata.json"

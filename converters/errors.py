@@ -1,6 +1,6 @@
 """The one error type the converters raise for bad input or output; the CLI prints it in one line."""
 
-from backend.families import ConfigError
+from backend.model.families import ConfigError
 from converters.hf_io import CheckpointError
 from converters.table import MappingError
 

@@ -163,7 +163,7 @@ def hash_file(path: Path) -> dict:
 
 def item_ranges(root: Path) -> dict[str, list[tuple[int, int]]]:
     """Per data file of a torch_dist checkpoint, its DCP items' (offset, length), sorted."""
-    from converters.safe_pickle import load_metadata
+    from converters.pickles.safe_pickle import load_metadata
 
     ranges: dict[str, list[tuple[int, int]]] = {}
     for info in load_metadata(root / ".metadata").storage_data.values():

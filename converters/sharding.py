@@ -1,6 +1,6 @@
 """TP / EP / PP slicing between full (world-size-1) mcore tensors and one rank's parameters.
 
-One generic layer for every converter: the model family's mappings (backend.weight_mappings,
+One generic layer for every converter: the model family's mappings (backend.model.weight_mappings,
 listed in backend/<model_type>/) say what a full mcore tensor is made of and, each for its
 own tensor, which part of it a TP rank holds; this module asks them.
 - TP: megatron tags split parameters with `tensor_model_parallel` and `partition_dim`;
@@ -8,7 +8,7 @@ own tensor, which part of it a TP rank holds; this module asks them.
   how (contiguous, or GLU fc1's cat(gate_r, up_r)).
 - EP: local expert j is global expert ep_rank * E/ep + j (converters.table.ExpertSlice).
 - PP: stage-local layer i is global layer `layer_number - 1` of that TransformerLayer.
-- Grouped experts (backend.experts) are walked per expert under SequentialMLP's names
+- Grouped experts (backend.model.experts) are walked per expert under SequentialMLP's names
   (`expanded_parameters`), so one table serves both expert modules.
 A model at world size 1 (`load_hf_into_model`, `model_to_hf`) is the case of no slicing;
 converters.table below works on state dicts alone and never sees a model.
@@ -20,8 +20,8 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
-from backend.weight_mappings import Mapping as WeightMapping
+from backend.model.weight_mappings import Mapping as WeightMapping
+from backend.training.distributed import ProcessGroups
 from converters.table import (
     ExpertSlice,
     MappingError,
@@ -48,7 +48,7 @@ def expanded_parameters(
 
     value is the parameter's data, or its gradient (zeros where none) with grads=True: under
     megatron-core's DDP the gradient accumulates in `main_grad` (its buffer), else `.grad`. Modules
-    holding stacked experts (backend.experts.GroupedExperts) name and slice them through their
+    holding stacked experts (backend.model.experts.GroupedExperts) name and slice them through their
     `expert_slices`: SequentialMLP's names, per-expert views carrying its TP attributes.
     """
     stacked = {name: m for name, m in model.named_modules() if hasattr(m, "expert_slices")}

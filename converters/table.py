@@ -1,8 +1,8 @@
 """HF <-> megatron-core (local layer spec) state dicts, through a model family's mappings
 (state dicts only: loading into a model and reading one out are converters.sharding's).
 
-The model folder (backend/<model_type>/, found from the spec: backend.families) lists one
-mapping per mcore tensor (backend.weight_mappings): its name, the HF tensors it is made of, and
+The model folder (backend/<model_type>/, found from the spec: backend.model.families) lists one
+mapping per mcore tensor (backend.model.weight_mappings): its name, the HF tensors it is made of, and
 how they combine. `{layer}` and `{expert}` are placeholders; the expert index in an HF name
 is global, in an mcore name it is the rank-local index (`ExpertSlice`).
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.families import family_of
-from backend.weight_mappings import Mapping as WeightMapping
+from backend.model.families import family_of
+from backend.model.weight_mappings import Mapping as WeightMapping
 
 
 class MappingError(KeyError):

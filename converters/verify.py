@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from backend.families import load_spec
+from backend.model.families import load_spec
 from converters.convert import load_spec_for, read_param, table
 from converters.dist_read import DistReader, find_dist_dir, is_dist_dir
 from converters.errors import ConversionError
@@ -23,7 +23,7 @@ from converters.manifest import (
     sha256,
     write_manifest,
 )
-from converters.safe_pickle import METADATA, check_dist_checkpoint, refusals
+from converters.pickles.safe_pickle import METADATA, check_dist_checkpoint, refusals
 from converters.table import split_row
 
 CHUNK = 1 << 24  # elements compared at a time under --atol
@@ -45,7 +45,7 @@ class DistSide:
     """HF-named view of a dist checkpoint; parameters assembled on demand, last one cached."""
 
     def __init__(self, path: Path, config):
-        from converters.layout import build_layout
+        from converters.dist_layout import build_layout
 
         self.reader = DistReader(path)
         self.spec, _ = load_spec_for(self.reader, config, None)
@@ -102,7 +102,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def refused_pickles(path, report: Callable[[str], None]) -> tuple[int, bool]:
     """What resume and mcore-to-hf would refuse to unpickle in a dist checkpoint (its
-    `.metadata`, `common.pt`, byte items: converters.safe_pickle), each reported as one line:
+    `.metadata`, `common.pt`, byte items: converters.pickles.safe_pickle), each reported as one line:
     (how many, whether its tensors can still be read, i.e. `.metadata` passed)."""
     if not is_dist_dir(path):
         return 0, True

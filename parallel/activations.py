@@ -33,7 +33,7 @@ Saved for backward by one layer, per token (values of b bytes unless noted):
     the prob (2f/etp).
 With full recompute (megatron's "full"/"uniform", one layer per checkpoint) a layer keeps
 only its input, h on T/(tp*cp) tokens, and one layer at a time is re-run in backward.
-Selective recompute (backend.recompute: megatron's "core_attn" and the experts' "moe_act")
+Selective recompute (backend.model.recompute: megatron's "core_attn" and the experts' "moe_act")
 keeps every layer's tensors above except what those two re-run in backward:
   - core attention keeps only its inputs q, k, v (counted above: rotated q and k, and v in the
     QKV output) and its output is kept by the output projection (counted), so it drops
@@ -77,8 +77,8 @@ plus one), L/(pp*vpp) layers each.
 
 from dataclasses import dataclass
 
+from backend.model.recompute import recompute_mode
 from backend.qwen3_moe import Qwen3MoeSpec
-from backend.recompute import recompute_mode
 from parallel.plan import ModelFit, ParallelPlan
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -100,7 +100,7 @@ class Kernels:
             raise ValueError(f"dispatcher={self.dispatcher!r}: choose one of {DISPATCHERS}")
 
 
-# what backend.model builds on accelerators: our SDPAttention and GroupedExperts with megatron's
+# what backend.model.build builds on accelerators: our SDPAttention and GroupedExperts with megatron's
 # fused weighted SwiGLU, torch RMSNorm and megatron's unfused RoPE
 ACCELERATOR_KERNELS = Kernels()
 # megatron-core's local spec on CPU (the reference modules), and our modules on CPU; the CPU

@@ -1,8 +1,8 @@
 """What a practitioner should know about a legal plan before launching it."""
 
-from parallel.layout import RankLayout
 from parallel.memory import HEADROOM, MemoryEstimate
 from parallel.plan import ModelFit
+from parallel.rank_layout import RankLayout
 
 # group kind -> the traffic that crosses the slow inter-node link when it spans nodes
 _CROSS_NODE_COST = {

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from itertools import product
 
 from backend.qwen3_moe import Qwen3MoeSpec
-from parallel.layout import RankLayout
 from parallel.memory import MemoryEstimate, MemoryOptions, estimate_memory, least_recompute
 from parallel.plan import ModelFit, ParallelPlan, PlanError, check_against_model, divisors
+from parallel.rank_layout import RankLayout
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,20 @@
 """python -m parallel: check a parallel plan for Qwen3-MoE, or pick one with --auto.
 
 Prints the plan, the rank layout, the per-device memory, notes and warnings. Exit codes
-(backend.cli_contract): 0 the plan fits, 1 it is legal but does NOT fit the device memory,
+(backend.shared.cli_contract): 0 the plan fits, 1 it is legal but does NOT fit the device memory,
 2 the plan or the model config is illegal (one line naming the reason), 130/143 interrupted.
 """
 
 import argparse
 from dataclasses import replace
 
-from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from backend.common import DEFAULT_EP_SKEW, DEVICE_LABELS
-from backend.families import ConfigError
+from backend.model.families import ConfigError
+from backend.model.recompute import RECOMPUTE_CHOICES
 from backend.monitor.report import ReportError
-from backend.recompute import RECOMPUTE_CHOICES
+from backend.shared.cli_contract import OneLineParser, parse_or_exit_code, run_cli
+from backend.shared.names import DEFAULT_EP_SKEW, DEVICE_LABELS
 from parallel.advice import expert_notes, listed, plan_warnings
 from parallel.auto import Candidate, rank_plans
-from parallel.layout import RankLayout
 from parallel.memory import (
     DEVICE_MEMORY_GIB,
     MemoryOptions,
@@ -25,6 +24,7 @@ from parallel.memory import (
 )
 from parallel.models import DEFAULT_MODEL_NAME, load_spec
 from parallel.plan import PlanError, plan_for_model
+from parallel.rank_layout import RankLayout
 from parallel.report import layout_summary, model_summary, plan_summary
 from parallel.skew import (
     REPORT_PERCENTILE,
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _traffic_lines(args: argparse.Namespace, fit) -> list[str]:
     """The packed-length ladder's padding; on accelerators one weight sync and a save."""
-    from backend.packing import ladder_step
+    from backend.model.packing import ladder_step
     from parallel.ladder import ladder_cost
     from parallel.traffic import save_size
     from parallel.weight_sync import DEFAULT_BUCKET_MB, LINKS, sync_cost

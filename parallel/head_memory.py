@@ -3,7 +3,7 @@
 Per device: t = T/cp tokens of a micro-batch, v = padded_vocab/tp, h hidden size, b bytes
 per activation (bf16: 2). Bytes per token per vocab entry v of this rank:
 
-Full logits (recipes.dapo.heads.full_head_outputs, bf16 logits, temperature 1):
+Full logits (recipes.dapo.engine.logprobs.full_head_outputs, bf16 logits, temperature 1):
   log-prob pass (no grad, entropy on, as the old-log-prob pass runs): the bf16 logits (2)
       + entropy's fp32 copy (4) + logits - max (4) + its exp (4), then exp * logits (4)
       once the difference is freed: FULL_PASS_BYTES = 14
@@ -12,7 +12,7 @@ Full logits (recipes.dapo.heads.full_head_outputs, bf16 logits, temperature 1):
       FULL_UPDATE_BYTES = 10
   fp32 activations (b = 4, the CPU runs): the logits are their own fp32 copy, 2 bytes less in
       both (12 and 8)
-Lean head (backend.lean_head: the output projection fused, chunks of c tokens with
+Lean head (backend.model.lean_head: the output projection fused, chunks of c tokens with
 c * v * 4 = CHUNK_BYTES, c <= t): no [t, v] tensor; per chunk the bf16 matmul output is cast
 to fp32 z, then exp(z) beside it, in both passes (backward recomputes z, then p = exp(z - lse)
 and the gradient in place): 8 bytes per token of the chunk, 2 * CHUNK_BYTES. Besides:
@@ -25,7 +25,7 @@ Both paths also keep the output layer's inputs on this rank's sequence slice (he
 FULL_PASS_BYTES = 14
 FULL_UPDATE_BYTES = 10
 BF16_LOGITS_BYTES = 2  # in both: absent when the logits are fp32 themselves
-CHUNK_BYTES = 256 * 2**20  # backend.lean_head.CHUNK_BYTES (tests check they agree)
+CHUNK_BYTES = 256 * 2**20  # backend.model.lean_head.CHUNK_BYTES (tests check they agree)
 LEAN_CHUNK_BUFFERS = 2
 
 

@@ -4,13 +4,13 @@ length mix, and the shapes it leaves.
 The mix (an assumption, not a measured rollout): prompts uniform in [128, 512] tokens,
 responses log-normal with median 4.5k tokens (sigma 0.5) clipped to 6144 (the recipe's
 max_response_length), which puts a sample near the 4.9k tokens the seed's runs averaged.
-Packed micro-batches are planned as the engine plans them (backend.packing.plan_lengths).
+Packed micro-batches are planned as the engine plans them (backend.model.packing.plan_lengths).
 """
 
 import random
 from dataclasses import dataclass
 
-from backend.packing import micro_batch_slots, packed_multiple, plan_lengths
+from backend.model.packing import micro_batch_slots, packed_multiple, plan_lengths
 
 PROMPTS = (128, 512)
 RESPONSE_MEDIAN, RESPONSE_SIGMA, RESPONSE_MAX = 4500.0, 0.5, 6144

@@ -21,7 +21,7 @@ class _SavedStorages:
         self.depth = 0  # > 0 while inside a measured module
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        from backend.forward import is_causal_mask
+        from backend.model.forward import is_causal_mask
 
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -77,12 +77,12 @@ def check_tiny_activations(
 
     ours: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
     recompute: "none" or "selective" (what a layer keeps under each, parallel.activations).
-    `groups` comes from backend.distributed.init_parallel on a world of one.
+    `groups` comes from backend.training.distributed.init_parallel on a world of one.
     """
     from transformers import Qwen3MoeConfig
 
-    from backend.forward import forward_logits
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
+    from backend.model.forward import forward_logits
     from backend.qwen3_moe import load_qwen3_moe_spec
     from parallel.activations import LOCAL_SPEC_KERNELS, OURS_ON_CPU_KERNELS, layer_activation_bytes
     from parallel.models import TINY_QWEN3_MOE

@@ -8,7 +8,7 @@ Terms, per device of the heaviest pipeline stage (megatron DDP + distributed opt
   activations parallel.activations (per layer per token, top-k replication, tp/sp, cp);
               the expert side scaled by the EP routing skew s (ep_skew, capped at ep)
   dispatch    the dispatch/combine buffers of the MoE layer in flight, scaled by s
-  logits      last stage: the log-prob head (parallel.heads): the lean head's chunk buffers,
+  logits      last stage: the log-prob head (parallel.head_memory): the lean head's chunk buffers,
               hidden states and fp32 output-weight gradient (the engine's), or with
               lean_heads=False T/cp tokens x padded_vocab/tp x 10 B (bf16 logits, their fp32
               copy and the fp32 softmax kept for backward); plus the final-norm and
@@ -23,14 +23,14 @@ everything back for the update, so they shrink the second column, not the first.
 
 from dataclasses import dataclass
 
-from backend.recompute import recompute_mode
+from backend.model.recompute import recompute_mode
 from parallel.activations import (
     ACCELERATOR_KERNELS,
     Kernels,
     dispatch_buffer_bytes,
     stage_activation_bytes,
 )
-from parallel.heads import head_bytes
+from parallel.head_memory import head_bytes
 from parallel.params import DeviceParams, device_params
 from parallel.plan import ModelFit
 
@@ -44,7 +44,7 @@ RUNTIME_GIB = 2.0
 class MemoryOptions:
     device_memory_gib: float | None  # None: report the breakdown without a fit verdict
     micro_batch_tokens: int = 8192  # tokens of one micro-batch of one data-parallel replica
-    # "none" | "selective" | "full" (backend.recompute; True / False: full / none)
+    # "none" | "selective" | "full" (backend.model.recompute; True / False: full / none)
     recompute: str | bool = "none"
     offload_params: bool = False  # verl param_offload
     offload_optimizer: bool = False  # verl optimizer_offload
@@ -52,7 +52,7 @@ class MemoryOptions:
     activation_bytes: int = 2  # bf16
     # tokens on the busiest EP rank / the EP mean (1: balanced); parallel.skew picks it
     ep_skew: float = 1.0
-    lean_heads: bool = True  # backend.lean_head (the engine's); False: full logits
+    lean_heads: bool = True  # backend.model.lean_head (the engine's); False: full logits
     # tokens of one log-prob (no grad) micro-batch; None: twice micro_batch_tokens, as
     # recipes/dapo sets log_prob_max_token_len_per_gpu
     log_prob_tokens: int | None = None
@@ -287,7 +287,7 @@ def least_recompute(fit: ModelFit, options: MemoryOptions) -> RecomputeChoice:
     """none if it fits, else selective, else full (full also when nothing fits)."""
     from dataclasses import replace
 
-    from backend.recompute import RECOMPUTE_CHOICES
+    from backend.model.recompute import RECOMPUTE_CHOICES
 
     tried = []
     for mode in RECOMPUTE_CHOICES:

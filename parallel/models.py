@@ -32,7 +32,7 @@ QWEN3_30B_A3B = {
     "torch_dtype": "bfloat16",
 }
 
-# The tiny Qwen3-MoE of the CPU run and the tests (recipes/local/tiny_model.py builds and saves
+# The tiny Qwen3-MoE of the CPU run and the tests (recipes/local/task/hf_checkpoints.py builds and saves
 # it): the same architecture (GQA, qk-norm, softmax top-k routing renormalised, untied head),
 # shrunk so CPU runs take seconds; head_dim differs from hidden/heads on purpose, as it does
 # in the real model (128 vs 2048/32 = 64). Keyword arguments of transformers' Qwen3MoeConfig.
@@ -54,12 +54,12 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
 )
 
-# The mini Qwen3-MoE (recipes/local/tiny_model.py builds it with shape="mini"): Qwen3-30B-A3B's
+# The mini Qwen3-MoE (recipes/local/task/hf_checkpoints.py builds it with shape="mini"): Qwen3-30B-A3B's
 # routing at full count (128 experts, top-8, renormalised) and its attention's GQA 8:1 with
 # qk-norm, at a width CPUs train (4 layers: pp 2 and 4 divide them). Every size is one vLLM's
-# CPU backend serves (recipes/local/cpu_limits.py: head_dim 32, hidden and expert slices
+# CPU backend serves (recipes/local/cpu/rollout_limits.py: head_dim 32, hidden and expert slices
 # multiples of 32); the vocabulary and special ids are the toy task's character tokenizer's
-# (recipes/local/task.py: VOCAB_SIZE, <|endoftext|> 0, <|im_end|> 2; a test checks both).
+# (recipes/local/task/doubles.py: VOCAB_SIZE, <|endoftext|> 0, <|im_end|> 2; a test checks both).
 MINI_QWEN3_MOE = dict(
     vocab_size=32,
     hidden_size=128,

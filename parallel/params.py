@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from backend.families import ParamCounts, family, family_of
+from backend.model.families import ParamCounts, family, family_of
 from parallel.plan import ModelFit
 
 __all__ = ["DeviceParams", "ParamCounts", "device_params", "hf_param_counts", "param_counts"]

@@ -10,8 +10,8 @@ model itself requires (heads, experts, layers, vocab) is `check_against_model`.
 from dataclasses import dataclass, fields
 from math import lcm
 
-from backend.common import round_up
 from backend.qwen3_moe import Qwen3MoeSpec
+from backend.shared.names import round_up
 
 # megatron-core pads the vocab to a multiple of make_vocab_size_divisible_by * tp
 VOCAB_DIVISIBLE_BY = 128

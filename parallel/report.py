@@ -1,8 +1,8 @@
 """Text summaries of a plan, its model fit and its rank layout."""
 
-from parallel.layout import GROUP_NAMES, RankLayout
 from parallel.params import param_counts
 from parallel.plan import ModelFit
+from parallel.rank_layout import GROUP_NAMES, RankLayout
 
 
 def members(group: tuple[int, ...]) -> str:

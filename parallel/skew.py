@@ -7,7 +7,7 @@ scales). Two sources:
   phase, i.e. a value that 1 in 20 layer-steps exceeds. The monitor sums a step's counts over
   all ranks and micro-batches, which smooths out per-micro-batch peaks: a high percentile, not
   the mean, compensates;
-- otherwise DEFAULT_EP_SKEW (backend.common, where the monitor's guard reads it too) for a
+- otherwise DEFAULT_EP_SKEW (backend.shared.names, where the monitor's guard reads it too) for a
   fresh run: the tiny run's worst layer-step was 1.77, and a step-level figure under-states
   a single micro-batch, so the default rounds up to 2 (the busiest EP rank receives twice
   its share).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.common import DEFAULT_EP_SKEW
+from backend.shared.names import DEFAULT_EP_SKEW
 from parallel.memory import MemoryOptions, estimate_memory
 from parallel.plan import ModelFit
 

@@ -2,13 +2,13 @@
 
 Routes (`routed_experts`): one expert id per token, layer and top-k slot, carried from the
 rollout through verl's batch to the micro-batches; one byte per id for up to 256 experts
-(backend.router_replay.route_dtype; vLLM returns uint8), where verl's own megatron engine
+(backend.model.router_replay.route_dtype; vLLM returns uint8), where verl's own megatron engine
 returns int32. A pipeline stage moves only its own layers to its micro-batches.
 
 Checkpoints: the model's weights (bf16 on the accelerators) and the distributed optimizer's
 state (fp32 master weights and both Adam moments: 12 bytes a parameter), sharded over all
 ranks. The time per save is at a stated aggregate filesystem bandwidth; what the step waits
-for with background saves is the copy of its shards to host memory (recipes.dapo.saving).
+for with background saves is the copy of its shards to host memory (recipes.dapo.checkpoints.async_save).
 """
 
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ D2H_GBPS = 12.0  # assumed device-to-host copy into pageable host memory, per ra
 
 
 def route_id_bytes(num_experts: int) -> int:
-    """Bytes per expert id as the engine moves routes (backend.router_replay.route_dtype)."""
+    """Bytes per expert id as the engine moves routes (backend.model.router_replay.route_dtype)."""
     return 1 if num_experts <= 256 else 2 if num_experts <= 2**15 else 4
 
 
@@ -62,7 +62,7 @@ class SaveSize:
     @property
     def per_rank(self) -> float:
         """Each rank's share: its optimizer shard, and its part of the model's writes (the
-        data-parallel replicas spread them: recipes.dapo.save_plans)."""
+        data-parallel replicas spread them: recipes.dapo.checkpoints.save_plans)."""
         return self.total / self.world
 
     def lines(self, every: int) -> list[str]:

@@ -1,6 +1,6 @@
 """One rollout weight sync: how its tensors are bucketed, and what it costs per rank.
 
-The stream (recipes.dapo.weights.hf_tensors) ends with every rank holding the whole model as
+The stream (recipes.dapo.engine.weights.hf_tensors) ends with every rank holding the whole model as
 full tensors, what its co-located rollout loads. Each pipeline stage walks its parameters in
 module order (grouped experts per expert) and groups consecutive tensors into buckets of at
 most `bucket_bytes` of full tensors (`plan_buckets`; a larger tensor is a bucket of its own).
@@ -18,8 +18,8 @@ else over the inter-node network) and an alpha-beta time at stated link figures.
 from dataclasses import dataclass
 
 from backend.qwen3_moe import Qwen3MoeSpec
-from parallel.layout import RankLayout
 from parallel.plan import ParallelPlan
+from parallel.rank_layout import RankLayout
 
 # the engine's default bucket (mcore_ep.weight_sync_bucket_mb): ~120 buckets for Qwen3-30B-A3B
 DEFAULT_BUCKET_MB = 512
@@ -68,7 +68,7 @@ def bucket_collectives(items: list[SyncItem]) -> dict[str, int]:
 
 def stage_items(spec: Qwen3MoeSpec, plan: ParallelPlan, stage: int, dtype_bytes: int = 2):
     """The streamed tensors of pipeline stage `stage`, in module order (local spec, grouped
-    experts: backend.experts.GroupedExperts, as on the accelerators)."""
+    experts: backend.model.experts.GroupedExperts, as on the accelerators)."""
     sizes = (plan.tp, plan.etp, plan.ep)
     item = lambda n, split=None, expert=False: SyncItem(  # noqa: E731
         n * dtype_bytes, split, expert, sizes
@@ -76,7 +76,7 @@ def stage_items(spec: Qwen3MoeSpec, plan: ParallelPlan, stage: int, dtype_bytes:
     h, d, tp, etp = spec.hidden_size, spec.head_dim, plan.tp, plan.etp
     per_stage = spec.num_layers // plan.pp
     local_experts = spec.num_experts // plan.ep
-    vocab = spec.vocab_size  # as backend.model builds it (unpadded, split over TP)
+    vocab = spec.vocab_size  # as backend.model.build builds it (unpadded, split over TP)
     items = [item(vocab // tp * h, "tp")] if stage == 0 else []
     for _ in range(per_stage):
         q, kv = spec.num_heads * d, spec.num_kv_heads * d

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.dapo.data import TRAIN, VAL, check_file, describe  # noqa: E402
+from recipes.launcher.datasets import TRAIN, VAL, check_file, describe  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

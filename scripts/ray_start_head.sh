@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m recipes.dapo.ray_node head "$@"
+exec .venv/bin/python -m recipes.dapo.cluster.ray_node head "$@"

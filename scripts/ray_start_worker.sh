@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m recipes.dapo.ray_node worker "$@"
+exec .venv/bin/python -m recipes.dapo.cluster.ray_node worker "$@"

@@ -2,7 +2,7 @@
 # Install what the tests need (idempotent), then run the whole suite twice: on the cpu set
 # (megatron-core 0.16.1) and on the npu set's megatron-core 0.12.1 (MindSpeed's release, an
 # overlay without deps; the npu set's verl, transformers and numpy are the cpu set's, checked by
-# tests/test_stack.py); then the mcore_compat tests (parity among them) on megatron-core 0.19.2,
+# tests/recipes/test_stack.py); then the mcore_compat tests (parity among them) on megatron-core 0.19.2,
 # the newest release (an overlay too: scripts/bootstrap.sh says how). Tests that only hold on
 # one release say so in a skip reason.
 # Lint first (ruff, the dev extra's, pinned in scripts/stacks/cpu.in): a failure stops here.

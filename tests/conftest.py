@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from recipes.local.tiny_model import make_checkpoint, make_tiny_checkpoint, tiny_config
+from recipes.local.task.hf_checkpoints import make_checkpoint, make_tiny_checkpoint, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +35,8 @@ def mini_hf_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mini_run(tmp_path_factory):
     """Two steps of the main job on the mini model at ep 2 after its warm-up, checkpoints after
-    each (tests/test_verl_cpu_trainer.py's launch; the ours side of tests/test_ab_engines.py)."""
-    from tests.test_verl_cpu_trainer import MINI_EP2, MINI_OVERRIDES, launch
+    each (tests/recipes/test_verl_cpu_trainer.py's launch; the ours side of tests/recipes/test_ab_engines.py)."""
+    from tests.recipes.test_verl_cpu_trainer import MINI_EP2, MINI_OVERRIDES, launch
 
     out = tmp_path_factory.mktemp("cpu_dapo")
     proc = launch(out, *MINI_EP2, "--steps", "2",
@@ -48,8 +48,8 @@ def mini_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def world1():
     """ProcessGroups of a single CPU rank with megatron-core's parallel state set up."""
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
 
     return init_parallel(prepare_device("cpu"), seed=1234)
 
@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             "collecting the tests imported megatron-core, so the no_mcore check cannot see a "
             "test that imports it: import it inside the tests (the release without importing "
-            "it: tests/mcore_release.py)"
+            "it: tests/support/mcore_release.py)"
         )
     items.sort(key=lambda item: item.get_closest_marker("no_mcore") is None)
 

@@ -1,4 +1,4 @@
-"""Each bad input of tests/bad_inputs.py gives its exit code and exactly its one line, with
+"""Each bad input of tests/support/bad_inputs.py gives its exit code and exactly its one line, with
 no output and no side effect left; docs/bad_inputs.md is the table of exactly these rows."""
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bad_inputs import CASES, Case, Ctx, table
+from tests.support.bad_inputs import CASES, Case, Ctx, table
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -20,11 +20,11 @@ def _main(cli: str):
     elif cli == "parallel":
         from parallel.cli import main
     elif cli == "launcher":
-        from recipes.dapo.launch import main
+        from recipes.launcher.launch import main
     elif cli == "ray_node":
-        from recipes.dapo.ray_node import main
+        from recipes.dapo.cluster.ray_node import main
     elif cli == "resolve":
-        from tests.bad_inputs import resolve_script
+        from tests.support.bad_inputs import resolve_script
 
         main = resolve_script().main
     else:
@@ -57,7 +57,7 @@ def sources(tiny_hf_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
-    from recipes.dapo import cluster
+    from recipes.dapo.cluster import ray_job as cluster
 
     real_run = cluster.run_command
     monkeypatch.setattr(cluster, "run_command", lambda cmd, *a, **kw: pytest.fail(f"started {cmd}"))
@@ -99,5 +99,5 @@ def test_every_cli_has_its_rows_and_the_table_is_current():
         and counts["monitor"] >= 8
     )
     assert (REPO / "docs" / "bad_inputs.md").read_text() == table(), (
-        "run: python -m tests.bad_inputs > docs/bad_inputs.md"
+        "run: python -m tests.support.bad_inputs > docs/bad_inputs.md"
     )

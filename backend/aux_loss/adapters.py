@@ -6,8 +6,8 @@ from backend.aux_loss.attach import mcore_sites
 from backend.aux_loss.config import AuxLossConfig
 from backend.aux_loss.hf_tap import HFRouterTap
 from backend.aux_loss.hook import AuxLossHook
-from backend.distributed import ProcessGroups
-from backend.router_tap import RouterTap
+from backend.instruments.router_tap import RouterTap
+from backend.training.distributed import ProcessGroups
 
 
 def mcore_aux_loss(
@@ -19,8 +19,8 @@ def mcore_aux_loss(
 ) -> AuxLossHook:
     """The hook on every TopKRouter of `model`; `tap` must be a RouterTap of the same model.
 
-    grad_scale: 1 when DP ranks sum gradients (tests/reference_actor.py), the DP size under
-    megatron-core's averaging DDP (backend.optim); backend.instruments.aux_grad_scale derives
+    grad_scale: 1 when DP ranks sum gradients (tests/support/reference_actor.py), the DP size under
+    megatron-core's averaging DDP (backend.training.optim); backend.instruments.router_instruments.aux_grad_scale derives
     it from the reduction. See AuxLossHook.
     """
     sites = mcore_sites(model)

@@ -52,6 +52,6 @@ def with_aux_grad(output: tuple, index: int, aux: torch.Tensor, scale: float, ca
 
 def mcore_sites(model: torch.nn.Module) -> list[RouterSite]:
     """megatron-core TopKRouter: forward returns (probs, routing_map); probs weight the experts."""
-    from backend.router_tap import router_modules
+    from backend.instruments.router_tap import router_modules
 
     return [RouterSite(r.layer_number - 1, r, 0) for r in router_modules(model)]

@@ -9,7 +9,7 @@ differentiable router logits, and the routing weights are what scales each exper
 import torch
 
 from backend.aux_loss.attach import RouterSite
-from backend.router_tap import RouterCall, TapBase, in_backward
+from backend.instruments.router_tap import RouterCall, TapBase, in_backward
 
 
 def hf_sites(model: torch.nn.Module) -> list[RouterSite]:

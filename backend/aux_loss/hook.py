@@ -37,8 +37,8 @@ import backend.aux_loss.losses as losses
 from backend.aux_loss.attach import RouterSite, with_aux_grad
 from backend.aux_loss.config import AuxLossConfig
 from backend.aux_loss.metrics import metric_dict
-from backend.distributed import ProcessGroups
-from backend.router_tap import RouterCall
+from backend.instruments.router_tap import RouterCall
+from backend.training.distributed import ProcessGroups
 
 IDLE, STEP, COUNTING, OLD_LOG_PROB = "idle", "step", "counting", "old_log_prob"
 
@@ -62,7 +62,7 @@ class AuxLossHook:
 
         layout: token order of router calls, "sb" (megatron-core) or "bs" (transformers).
         grad_scale: multiplies the attached gradient. 1 (default) where DP ranks sum
-        gradients of globally normalised losses, as tests/reference_actor.py does; the DP
+        gradients of globally normalised losses, as tests/support/reference_actor.py does; the DP
         size under megatron-core's DDP, which averages over DP (verl's engine multiplies its
         token-mean loss by dp_size for the same reason); times the loss scale in fp16.
         """

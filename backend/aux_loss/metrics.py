@@ -3,7 +3,7 @@
 import torch
 
 from backend.aux_loss.config import AuxLossConfig
-from backend.common import AUX_LOSS_PREFIX
+from backend.shared.names import AUX_LOSS_PREFIX
 
 PREFIX = AUX_LOSS_PREFIX
 

@@ -75,7 +75,7 @@ class CommLayout:
 
 def comm_layout(groups) -> CommLayout:
     """This job's CommLayout from its ranks' host names (collective over the world: every rank
-    calls it; backend.distributed.ProcessGroups)."""
+    calls it; backend.training.distributed.ProcessGroups)."""
     import socket
 
     import torch.distributed as dist
@@ -99,7 +99,7 @@ def comm_share_warning(step: int, metrics: dict[str, float], threshold: float = 
 
     For the run summary pass `timer.run_metrics()`; for the routing report hand the result
     to `ExpertLoadMonitor.add_warning`."""
-    from backend.monitor.alerts import RunWarning
+    from backend.monitor.run_warnings import RunWarning
 
     share = metrics.get(f"{PREFIX}/comm_share", comm_share(metrics))
     if share <= threshold:

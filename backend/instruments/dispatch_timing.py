@@ -17,7 +17,7 @@ work the engine runs in between).
 
 import torch
 
-from backend.timing import StepTimer
+from backend.instruments.timing import StepTimer
 
 # Off by default: its cost on the tiny model on CPU is over 1% of a step
 # (scripts/bench/timing_overhead.py; figures in the README), so the engine attaches it on request.

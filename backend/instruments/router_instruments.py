@@ -8,11 +8,11 @@ aux_loss.global_counts="old_log_prob" the old-log-prob phase also counts the glo
 of the trainer step's updates (no counting pass), forgotten at end_trainer_step().
 Either instrument is off when its package is absent or its setting says so; the startup
 log line says which. How the optimizer reduces gradients over DP is declared data
-(`dp_reduction`, e.g. backend.optim.DP_REDUCTION), from which aux_grad_scale derives the aux
+(`dp_reduction`, e.g. backend.training.optim.DP_REDUCTION), from which aux_grad_scale derives the aux
 loss's gradient scale.
 
 Routing replay (mcore_ep.router_replay, see docs/routing_replay.md): the same tap forces the
-experts (backend.router_replay) where `set_routes` gives some; the monitor counts the
+experts (backend.model.router_replay) where `set_routes` gives some; the monitor counts the
 experts actually used, the aux loss reads the router's own choice and probabilities. Two
 more listeners: RouteRecorder (R2: the old-log-prob pass's own routes) and two
 AgreementMeters against the rollout's routes: the router's own top-k set in the old-log-prob
@@ -26,8 +26,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
-from backend.router_replay import AgreementMeter, RouteRecorder, route_dtype
+from backend.model.router_replay import AgreementMeter, RouteRecorder, route_dtype
+from backend.training.distributed import ProcessGroups
 
 logger = logging.getLogger(__name__)
 # the engine's configuration, at INFO whatever the root's level (verl sets WARNING): a
@@ -46,8 +46,8 @@ def aux_grad_scale(dp_reduction: str, dp_size: int) -> float:
     per-rank gradients *summed* over DP give dJ/dθ; a reduction that averages divides by the DP
     size, which the scale undoes (as verl multiplies its token-mean loss by dp_size):
 
-        scale = dp_size   if dp_reduction == "mean"   (megatron-core's DDP, backend.optim)
-        scale = 1         if dp_reduction == "sum"    (tests/reference_actor.py)
+        scale = dp_size   if dp_reduction == "mean"   (megatron-core's DDP, backend.training.optim)
+        scale = 1         if dp_reduction == "sum"    (tests/support/reference_actor.py)
     """
     if dp_reduction not in DP_REDUCTIONS:
         raise ValueError(f"dp_reduction={dp_reduction!r}: choose one of {', '.join(DP_REDUCTIONS)}")
@@ -69,7 +69,7 @@ class RouterInstruments:
         replay: str = "disabled",
     ):
         """dp_reduction: how the optimizer reduces gradients over DP, "mean" or "sum"."""
-        from backend.router_tap import RouterTap
+        from backend.instruments.router_tap import RouterTap
 
         if replay not in REPLAY_MODES:
             raise ValueError(f"router_replay={replay!r}: choose one of {', '.join(REPLAY_MODES)}")
@@ -193,8 +193,8 @@ class RouterInstruments:
 def _monitor(spec, groups: ProcessGroups, settings: dict, tap):
     """The monitor, with a SkewGuard holding the EP skew the plan's memory verdict assumed
     (settings["assumed_ep_skew"], the fresh-run default otherwise)."""
-    from backend.common import DEFAULT_EP_SKEW
     from backend.monitor import ExpertLoadMonitor, SkewGuard, tensorboard_writer
+    from backend.shared.names import DEFAULT_EP_SKEW
 
     log_dir = settings.get("log_dir")
     writer = tensorboard_writer(log_dir, groups) if log_dir else None

@@ -11,7 +11,7 @@ optionally response tokens only). Router inputs are [S_local, B, H] in megatron'
 sequence-first order; with sequence parallelism each TP rank holds a contiguous 1/tp of S,
 so the tap slices the mask the same way before flattening.
 
-Routing replay (backend.router_replay): built with `replay=True`, the tap routes every
+Routing replay (backend.model.router_replay): built with `replay=True`, the tap routes every
 router through ReplayRouting; `set_routes` then gives, per micro-batch, the experts to force
 (`replay`) and the experts to compare with (`reference`, e.g. the rollout's). Listeners get
 both the routing actually used (`routing_map_TE`: what the monitor counts) and the router's
@@ -24,7 +24,7 @@ from functools import cached_property
 
 import torch
 
-from backend.distributed import ProcessGroups
+from backend.training.distributed import ProcessGroups
 
 
 @dataclass
@@ -97,7 +97,7 @@ class RouterTap(TapBase):
     """Forward hooks on all routers of `model`; listeners get one RouterCall per router call."""
 
     def __init__(self, model: torch.nn.Module, groups: ProcessGroups, replay: bool = False):
-        from backend import router_replay
+        from backend.model import router_replay
 
         super().__init__()
         self.groups = groups
@@ -114,14 +114,14 @@ class RouterTap(TapBase):
             router_replay.install(router, self)
 
     def remove(self) -> None:
-        from backend import router_replay
+        from backend.model import router_replay
 
         for router in self._routers:
             router_replay.uninstall(router)
         super().remove()
 
     def set_routes(self, replay=None, reference=None) -> None:
-        """backend.router_replay.Routes to force / to compare with in the next forwards."""
+        """backend.model.router_replay.Routes to force / to compare with in the next forwards."""
         if replay is not None and not self._replaying:
             raise ValueError("this tap was built without replay=True: it cannot force routes")
         self._replay, self._reference, self._local = replay, reference, {}

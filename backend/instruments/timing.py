@@ -18,10 +18,10 @@ optimizer steps, while the actor also waits for the rollout) is timed with `betw
 step_end adds its time to the step's parts and to timing/step_s. So step_s is the actor's busy
 time for this step (its own span plus those windows), never its idle time in between.
 Metrics, seconds: timing/<section>_s for every section that ran, timing/step_s, timing/other_s,
-and timing/comm_share (see backend.comm_share for exactly what counts). MoE dispatch / combine
-sections come from backend.dispatch_timing.MoEDispatchTimer.
+and timing/comm_share (see backend.instruments.comm_share for exactly what counts). MoE dispatch / combine
+sections come from backend.instruments.dispatch_timing.MoEDispatchTimer.
 
-Clocks (backend.clocks): host timers on CPU, device events on accelerators, resolved at
+Clocks (backend.instruments.clocks): host timers on CPU, device events on accelerators, resolved at
 step_end, which waits for the step's last event. Windows between steps are resolved then too
 (or once MAX_WINDOWS are pending, with a wait).
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.clocks import make_clock
-from backend.comm_share import PREFIX, comm_share
+from backend.instruments.clocks import make_clock
+from backend.instruments.comm_share import PREFIX, comm_share
 
 SECTIONS = (
     "forward_backward",  # forward + backward compute of every micro-batch

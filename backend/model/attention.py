@@ -6,7 +6,7 @@ repeats K/V per query group; SDPA dispatches to flash / memory-efficient kernels
 hold the score matrix, and reads grouped K/V directly (enable_gqa).
 
 Masks follow megatron's convention (bool, True = blocked). With no mask on a causal layer (what
-GPU callers pass) or backend.forward's own causal mask (CPU and Ascend callers), SDPA runs
+GPU callers pass) or backend.model.forward's own causal mask (CPU and Ascend callers), SDPA runs
 `is_causal`, the flash path, and no [s, s] mask is kept for backward; any other mask (padding)
 goes to SDPA as its complement.
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from backend.forward import is_causal_mask
+from backend.model.forward import is_causal_mask
 
 
 class SDPAttention(MegatronModule):

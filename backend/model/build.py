@@ -1,7 +1,7 @@
 """Build a megatron-core GPTModel from a validated HF spec.
 
 What the model is (shape, norms, router, layer spec, RoPE) comes from its family's folder
-(backend.families: backend/<model_type>/); what this module adds is how it is built here:
+(backend.model.families: backend/<model_type>/); what this module adds is how it is built here:
 process groups, dtype and device, token dispatcher, fusions, recompute, our fast modules.
 """
 
@@ -10,11 +10,11 @@ from functools import partial
 
 import torch
 
-from backend.compat import check_plan_supported
-from backend.device import has_transformer_engine
-from backend.distributed import ProcessGroups
-from backend.families import family_of
-from backend.recompute import MEGATRON_SELECTIVE_MODULES, recompute_mode
+from backend.model.families import family_of
+from backend.model.recompute import MEGATRON_SELECTIVE_MODULES, recompute_mode
+from backend.platform.compat import check_plan_supported
+from backend.platform.device import has_transformer_engine
+from backend.training.distributed import ProcessGroups
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,14 @@ class BuildOptions:
     spec: str = "auto"
     # mcore's alltoall dispatcher creates CUDA streams; allgather is the CPU choice
     dispatcher: str | None = None
-    # local spec only: "grouped" (backend.experts) / "sequential" (mcore's SequentialMLP) experts,
-    # "sdpa" (backend.attention) / "local" (mcore's DotProductAttention) attention. "auto":
+    # local spec only: "grouped" (backend.model.experts) / "sequential" (mcore's SequentialMLP) experts,
+    # "sdpa" (backend.model.attention) / "local" (mcore's DotProductAttention) attention. "auto":
     # ours on cuda and npu (grouped GEMM, flash / fused attention kernels), megatron-core's on
     # CPU (the reference the tests compare ours with)
     experts: str = "auto"
     attention: str = "auto"
-    grouped_gemm: str = "auto"  # backend.grouped_gemm kernel: auto | grouped_mm | npu | loop
-    # "none" | "selective" | "full" (backend.recompute); True / False mean "full" / "none"
+    grouped_gemm: str = "auto"  # backend.model.grouped_gemm kernel: auto | grouped_mm | npu | loop
+    # "none" | "selective" | "full" (backend.model.recompute); True / False mean "full" / "none"
     recompute: str | bool = "none"
     init_method_std: float = 0.02
     # False skips random init (weights are loaded anyway; 80% of a meta build's time)
@@ -77,7 +77,7 @@ def transformer_config(spec, groups: ProcessGroups, opts: BuildOptions):
         "full": dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         ),
-        # moe_act: GroupedExperts recomputes its SwiGLU itself (backend.recompute)
+        # moe_act: GroupedExperts recomputes its SwiGLU itself (backend.model.recompute)
         "selective": dict(
             recompute_granularity="selective", recompute_modules=list(MEGATRON_SELECTIVE_MODULES)
         ),
@@ -115,8 +115,8 @@ def transformer_config(spec, groups: ProcessGroups, opts: BuildOptions):
 
 def with_fast_modules(spec, opts: BuildOptions, groups: ProcessGroups):
     """A local layer spec with our grouped experts / SDPA attention swapped in as `opts` asks."""
-    from backend.attention import SDPAttention
-    from backend.experts import GroupedExperts
+    from backend.model.attention import SDPAttention
+    from backend.model.experts import GroupedExperts
 
     layer = spec.submodules
     if opts.resolved_attention() == "sdpa":
@@ -210,7 +210,7 @@ def tag_expert_replicas(model: torch.nn.Module, groups: ProcessGroups) -> int:
 
     megatron-core's DDP reduces a parameter over the dense DP(xCP) group unless it is tagged
     `allreduce=False`, which puts it in the expert buffers (reduced over expert-DP) and the
-    expert optimizer (sharded over expert-DP). Its expert linears (and backend.experts, which
+    expert optimizer (sharded over expert-DP). Its expert linears (and backend.model.experts, which
     copies the rule) tag only when ep > 1. With ep == 1 and etp != tp (tp=2, etp=1: every TP
     rank holds all experts and, with sequence parallelism, routes only its own slice of the
     tokens) each TP rank's expert gradient is a partial sum that must be summed over
@@ -235,7 +235,7 @@ def mark_sequence_parallel_norms(model: torch.nn.Module) -> None:
     """Tag the hidden-size norms' weights `sequence_parallel`, whatever class built them.
 
     Each TP rank computes their gradient from its own slice of the tokens, so it must be summed
-    over TP (megatron's finalize_model_grads, and tests/reference_actor.py, do so for tagged
+    over TP (megatron's finalize_model_grads, and tests/support/reference_actor.py, do so for tagged
     parameters). TE's norms and our CPU/GPU shim tag them; a device's own norm need not
     (MindSpeed replaces megatron's on Ascend), and an untagged one lets TP ranks drift apart
     silently.

@@ -1,7 +1,7 @@
 """Grouped-GEMM experts for megatron-core's MoE layer, without TransformerEngine.
 
 `GroupedExperts` replaces SequentialMLP in the layer spec (`experts=ModuleSpec(...)`): all
-local experts run as two grouped GEMMs (backend.grouped_gemm) around a SwiGLU weighted by
+local experts run as two grouped GEMMs (backend.model.grouped_gemm) around a SwiGLU weighted by
 the router probabilities, instead of a Python loop of small matmuls.
 
 Parameters are stacked per local expert, in SequentialMLP's per-expert layout:
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from backend.distributed import ProcessGroups
-from backend.grouped_gemm import grouped_linear
+from backend.model.grouped_gemm import grouped_linear
+from backend.training.distributed import ProcessGroups
 
 _LINEARS = {"weight1": ("linear_fc1", 0), "weight2": ("linear_fc2", 1)}  # name, TP dim per expert
 
@@ -52,7 +52,7 @@ class GroupedExperts(MegatronModule):
                 f"expert tensor parallel size {etp}: choose etp dividing it"
             )
         self.num_local_experts, self.groups, self.gemm = num_local_experts, groups, gemm
-        # selective recompute's "moe_act" (backend.recompute): the SwiGLU output is dropped
+        # selective recompute's "moe_act" (backend.model.recompute): the SwiGLU output is dropped
         # after fc2 and recomputed from fc1's output in backward, as megatron's TEGroupedMLP
         self.recompute_act = recompute_act
         ffn, hidden = config.moe_ffn_hidden_size // etp, config.hidden_size

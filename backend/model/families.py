@@ -1,9 +1,9 @@
 """Model families: one folder per Hugging Face `model_type`, found by its name.
 
 `backend/<model_type>/family.py` defines `FAMILY`, a `ModelFamily`: everything the generic
-code (backend.model, converters, parallel) needs to know about that model: reading its HF
+code (backend.model.build, converters, parallel) needs to know about that model: reading its HF
 config into a spec, the megatron-core TransformerConfig fields and layer spec, the weight
-mapping objects (backend.weight_mappings) and parameter counts. A spec names its family
+mapping objects (backend.model.weight_mappings) and parameter counts. A spec names its family
 through its `model_type` class attribute. Adding a model is adding its folder: nothing here lists them.
 """
 
@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).parent
+_ROOT = Path(__file__).parents[1]  # backend/: one folder per family
 
 
 class ConfigError(ValueError):
@@ -67,11 +67,11 @@ class ModelFamily:
     architectures: tuple[str, ...]  # HF config.json `architectures` (transformers classes)
     spec_from_config: Callable[[dict], Any]  # validated spec from a config.json dict
     # megatron-core: TransformerConfig fields and GPTModel arguments the model decides, and
-    # its layer spec (spec, backend.model.BuildOptions, ProcessGroups) -> ModuleSpec
+    # its layer spec (spec, backend.model.build.BuildOptions, ProcessGroups) -> ModuleSpec
     transformer_config_kwargs: Callable[[Any], dict]
     gpt_model_kwargs: Callable[[Any], dict]
     layer_spec: Callable[..., Any]
-    # weights: backend.weight_mappings objects (one per mcore tensor, `{layer}`/`{expert}`
+    # weights: backend.model.weight_mappings objects (one per mcore tensor, `{layer}`/`{expert}`
     # templated, HF hub layout), HF keys to ignore, and the in-memory <-> hub HF layouts
     # (identity if one)
     mappings: tuple

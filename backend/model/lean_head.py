@@ -66,7 +66,7 @@ def output_layer_skipped(model):
 def forward_hidden(model, input_ids_BS: torch.Tensor, packed=None) -> torch.Tensor:
     """Final hidden states [S, B, H] (after the final norm), full sequence on every TP rank.
 
-    packed: PackedSeqParams of a packed [1, T] row, as backend.forward.forward_logits takes.
+    packed: PackedSeqParams of a packed [1, T] row, as backend.model.forward.forward_logits takes.
 
     Under sequence parallelism the output layer's input is this rank's [S/tp, B, H] slice:
     gathered here as ColumnParallelLinear would (backward: reduce-scatter, summing the vocab
@@ -75,7 +75,7 @@ def forward_hidden(model, input_ids_BS: torch.Tensor, packed=None) -> torch.Tens
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import mappings
 
-    from backend.forward import forward_logits
+    from backend.model.forward import forward_logits
 
     with output_layer_skipped(model) as stash:
         forward_logits(model, input_ids_BS, packed=packed)

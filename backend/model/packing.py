@@ -6,10 +6,10 @@ packed-length ladder (`step`, mcore_ep.packed_length_step), of that many tokens.
 T - real, when there is one, is one more pseudo-sequence (masked out by callers), so
 cu_seqlens is int32 [N + 1] without a tail and [N + 2] with one: sequence starts, then T.
 megatron-core's PackedSeqParams (qkv_format "thd") carries it to attention (per sequence) and
-RoPE (positions restart at each start: backend.forward.packed_position_ids).
+RoPE (positions restart at each start: backend.model.forward.packed_position_ids).
 
 recipes/dapo/batches.packed_micro_batch builds the same layout from verl's batches
-(tests/test_packing.py checks they agree).
+(tests/backend/test_packing.py checks they agree).
 """
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from math import lcm
 
 import torch
 
-from backend.common import round_up
+from backend.shared.names import round_up
 
 # the packed-length ladder's step by device (mcore_ep.packed_length_step unset): Ascend's
 # operators recompile (or refuse) on every new shape, so its packed totals are multiples of
@@ -101,7 +101,7 @@ def packed_layout(lengths: list[int], tp: int = 1, device=None, step: int = 1) -
     return PackedLayout(lengths, cu_seqlens, real, total, max(max(lengths), total - real))
 
 
-# ---- micro-batch planning (recipes.dapo.batches plans verl's batches with these) ----------
+# ---- micro-batch planning (recipes.dapo.engine.batches plans verl's batches with these) ----------
 # A "multiple" is what a micro-batch is rounded up to: tp for padded rows, packed_multiple
 # for packed ones.
 

@@ -20,14 +20,14 @@ In the actor (every rank; counts are summed over the world at step end):
         tap.set_token_mask(response_mask_BS)  # padding and prompts excluded
         ...  # forward + backward of every micro-batch
     metrics.update(monitor.step_end(step, aux_losses))  # collective; checks the guard
-    monitor.add_warning(w) for a backend.comm_share.comm_share_warning(...) that is not None
+    monitor.add_warning(w) for a backend.instruments.comm_share.comm_share_warning(...) that is not None
     monitor.write_report("routing.json", model="Qwen3-30B-A3B")  # first rank writes
 """
 
-from backend.monitor.alerts import RunWarning, SkewGuard
 from backend.monitor.metrics import flat_metrics, layer_metrics, overall_metrics
 from backend.monitor.monitor import PHASES, ExpertLoadMonitor, reduce_counts_
 from backend.monitor.report import ReportError, load_report, save_report
+from backend.monitor.run_warnings import RunWarning, SkewGuard
 from backend.monitor.tb import tensorboard_writer
 
 __all__ = [

@@ -45,8 +45,8 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from backend.monitor.alerts import RunWarning
 from backend.monitor.metrics import concentration, experts_in_use, hot_share
+from backend.monitor.run_warnings import RunWarning
 
 ENTROPY, KL_LOSS, PPO_KL, GRAD_NORM = "entropy", "kl_loss", "ppo_kl", "grad_norm"
 MISMATCH = "rollout_logprob_abs_diff/mean"

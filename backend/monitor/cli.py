@@ -1,18 +1,18 @@
 """python -m backend.monitor render REPORT.json -o OUTDIR
 python -m backend.monitor compare A.json [B.json] -o OUTDIR [--window early late]
 
-Exit codes (backend.cli_contract): 0 written, 2 bad input (one line naming the file and the
+Exit codes (backend.shared.cli_contract): 0 written, 2 bad input (one line naming the file and the
 fix; --debug shows the traceback), 130/143 interrupted (no output left half-written)."""
 
 import argparse
 import os
 import sys
 
-from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from backend.monitor.compare import Side, Thresholds, compare
 from backend.monitor.compare_render import render_compare
 from backend.monitor.render import render
 from backend.monitor.report import ReportError, load_report
+from backend.shared.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ TP ranks (sequence parallel, required for MoE with TP) different slices of S, CP
 different chunks of S. EP is folded out of those same ranks (expert side), so it adds no
 copies, and PP stages count disjoint layers of the global [L, E] tensor. Summing over the
 whole world is therefore exact; reducing over DP only would miss TP slices, and adding EP
-on top would double count. tests/test_monitor_multiproc.py checks this against world size 1.
+on top would double count. tests/backend/test_monitor_multiproc.py checks this against world size 1.
 
 Each step's metrics carry the model's shape, `moe/num_experts` and (given top_k) `moe/top_k`,
 with the per-layer `moe/<phase>/layer_<l>/<metric>` (backend.monitor.metrics).
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 import backend.monitor.tb as tb
-from backend.common import AUX_LOSS_PREFIX
-from backend.distributed import ProcessGroups
-from backend.monitor.alerts import RunWarning, SkewGuard
+from backend.instruments.router_tap import RouterCall, RouterTap
 from backend.monitor.history import LoadHistory, phase_metrics
 from backend.monitor.metrics import flatten, overall_metrics
-from backend.router_tap import RouterCall, RouterTap
+from backend.monitor.run_warnings import RunWarning, SkewGuard
+from backend.shared.names import AUX_LOSS_PREFIX
+from backend.training.distributed import ProcessGroups
 
 PHASES = ("update", "old_log_prob", "ref")
 AUX_PREFIX = AUX_LOSS_PREFIX

@@ -1,4 +1,4 @@
-"""Write a directory of outputs atomically, one writer at a time: backend.atomic_outputs'
+"""Write a directory of outputs atomically, one writer at a time: backend.shared.atomic_outputs'
 mechanism (built in `.NAME.tmp-<pid>-*` beside the target, renamed in under the `.NAME.lock`
 flock; leftovers of killed runs are removed by the next run once their process is gone)."""
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from backend import atomic_outputs
 from backend.monitor.report import ReportError
+from backend.shared import atomic_outputs
 
 MARKER = ".routing-balance-output"  # lets a later render replace only our own directories
 

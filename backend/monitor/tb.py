@@ -1,6 +1,6 @@
 """Tensorboard output: scalars every step, a layers x experts heatmap image every N steps."""
 
-from backend.distributed import ProcessGroups
+from backend.training.distributed import ProcessGroups
 
 
 def tensorboard_writer(log_dir, groups: ProcessGroups | None):

@@ -8,8 +8,8 @@
 
 import torch
 
-from backend.mcore_shims import apply_shims
-from backend.optional import available, require
+from backend.platform.mcore_shims import apply_shims
+from backend.platform.optional import available, require
 
 DEVICES = ("cuda", "npu", "cpu")
 DIST_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}

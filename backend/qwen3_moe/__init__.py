@@ -2,12 +2,12 @@
 
 - config: `Qwen3MoeSpec`, `load_qwen3_moe_spec` (HF config.json -> validated spec),
 - megatron: its megatron-core TransformerConfig fields, GPTModel arguments and layer spec,
-- mapping: HF <-> mcore weight mappings (backend.weight_mappings objects), fused HF experts,
+- mapping: HF <-> mcore weight mappings (backend.model.weight_mappings objects), fused HF experts,
 - params: parameter counts,
-- family: `FAMILY`, the backend.families.ModelFamily the generic code looks up by model_type.
+- family: `FAMILY`, the backend.model.families.ModelFamily the generic code looks up by model_type.
 """
 
-from backend.families import ConfigError
+from backend.model.families import ConfigError
 from backend.qwen3_moe.config import MODEL_TYPE, Qwen3MoeSpec, load_qwen3_moe_spec
 from backend.qwen3_moe.family import FAMILY
 from backend.qwen3_moe.mapping import fuse_experts, has_fused_experts, unfuse_experts

@@ -8,14 +8,14 @@ and both spellings transformers has used: `num_experts` / `num_local_experts` an
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from backend.families import ConfigError, read_config
+from backend.model.families import ConfigError, read_config
 
 MODEL_TYPE = "qwen3_moe"
 
 
 @dataclass(frozen=True)
 class Qwen3MoeSpec:
-    model_type: ClassVar[str] = MODEL_TYPE  # its family: backend.families.family_of
+    model_type: ClassVar[str] = MODEL_TYPE  # its family: backend.model.families.family_of
 
     vocab_size: int
     hidden_size: int

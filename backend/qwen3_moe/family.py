@@ -1,9 +1,9 @@
-"""The Qwen3-MoE family as the generic code sees it (backend.families finds it by model_type)."""
+"""The Qwen3-MoE family as the generic code sees it (backend.model.families finds it by model_type)."""
 
 import backend.qwen3_moe.mapping as mapping
 import backend.qwen3_moe.megatron as megatron
 import backend.qwen3_moe.params as params
-from backend.families import ModelFamily
+from backend.model.families import ModelFamily
 from backend.qwen3_moe.config import MODEL_TYPE, spec_from_config
 
 FAMILY = ModelFamily(

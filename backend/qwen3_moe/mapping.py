@@ -1,6 +1,6 @@
 """Qwen3-MoE weights between Hugging Face and megatron-core (local layer spec).
 
-One mapping per megatron-core tensor (backend.weight_mappings: combine, split and TP sharding
+One mapping per megatron-core tensor (backend.model.weight_mappings: combine, split and TP sharding
 together). HF comes in two layouts, both handled:
 - hub / on disk: one key per expert and projection (`mlp.experts.{e}.gate_proj.weight`),
 - transformers 5 in memory: experts fused (`mlp.experts.gate_up_proj` [E, 2I, H] with
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from backend.weight_mappings import DirectMapping, GatedMLPMapping, QKVMapping
+from backend.model.weight_mappings import DirectMapping, GatedMLPMapping, QKVMapping
 
 HF_LAYER = "model.layers.{layer}."
 MC_LAYER = "decoder.layers.{layer}."

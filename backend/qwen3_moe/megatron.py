@@ -5,8 +5,8 @@ Qwen3's router is softmax over all experts, top-k, renormalised over the k when
 logits and softmaxes over them, which is the same renormalised distribution;
 pre_softmax=True (softmax then top-k, no renormalisation) is norm_topk_prob=False.
 
-backend.model builds the model from these (parallelism, dtype, fusions and recompute are
-its own); `backend.model.with_fast_modules` swaps our experts / attention into the local spec.
+backend.model.build builds the model from these (parallelism, dtype, fusions and recompute are
+its own); `backend.model.build.with_fast_modules` swaps our experts / attention into the local spec.
 """
 
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ def layer_spec(spec: Qwen3MoeSpec, opts, groups):
     the latter with our grouped experts / SDPA attention swapped in as `opts` asks."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    from backend.model import with_fast_modules
+    from backend.model.build import with_fast_modules
 
     if opts.resolved_spec() == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(

@@ -1,6 +1,6 @@
 """Parameter counts of a Qwen3-MoE model, from its spec or a built transformers model."""
 
-from backend.families import ParamCounts
+from backend.model.families import ParamCounts
 from backend.qwen3_moe.config import Qwen3MoeSpec
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from backend.device import dist_backend
+from backend.platform.device import dist_backend
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 One path for cpu (gloo, fp32: tests and CI) and cuda / npu (bf16 parameters, fp32 main grads,
 fp32 master weights and Adam state sharded over DP / expert-DP: the layout parallel/'s memory
 model assumes). On cpu megatron-core's CUDA-only spots are passed by the named shims in
-backend.mcore_shims (`optimizer_*`, `dist_optim_*`, `clip_grads_cpu`, `local_l2_norm_on_cpu`).
+backend.platform.mcore_shims (`optimizer_*`, `dist_optim_*`, `clip_grads_cpu`, `local_l2_norm_on_cpu`).
 
 - gradients: DDP averages over DP (DP_REDUCTION = "mean": megatron's default scaling 1/dp,
-  experts included: they are summed over expert-DP, see backend.model.tag_expert_replicas for
+  experts included: they are summed over expert-DP, see backend.model.build.tag_expert_replicas for
   ep == 1, etp != tp), which is what verl's losses expect (token-mean multiplies by dp_size);
   finalize_model_grads adds the TP sums of sequence-parallel and q/k-norm weights;
 - schedule, written once here (warmup_factor): linear warm-up over the first updates; weight
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from backend.distributed import ProcessGroups
+from backend.training.distributed import ProcessGroups
 
 STATE_DIR = "dist_ckpt"  # under the checkpoint's optim/
 SCHEDULE = "schedule.json"
 # how DDP reduces gradients over DP (megatron-core's default): the step's gradient is the DP
-# mean; backend.instruments.RouterInstruments derives the aux loss's gradient scale from it
+# mean; backend.instruments.router_instruments.RouterInstruments derives the aux loss's gradient scale from it
 DP_REDUCTION = "mean"
 
 

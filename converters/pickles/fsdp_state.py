@@ -9,7 +9,7 @@ saves hold (read from FSDP2 saves on CPU at world 1 and 2): DTensor shards (thei
 mesh, placements), plain tensors and storages, the scheduler's containers, and the RNG states
 (numpy's arrays, torch's byte states). Nothing named in a file is imported or called, so a
 crafted file is refused before verl touches it; a truncated one is unreadable in one line
-(converters.safe_pickle.check_torch_save, with this allow-list).
+(converters.pickles.safe_pickle.check_torch_save, with this allow-list).
 `is_complete(actor)`: every rank's files are there (verl writes the tracker after the save).
 """
 
@@ -18,7 +18,7 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
-from converters.safe_pickle import TorchSaveUnpickler, _Unplain, check_torch_save
+from converters.pickles.safe_pickle import TorchSaveUnpickler, _Unplain, check_torch_save
 
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 2, "world_size": W}, written with the save
 KINDS = ("model", "optim", "extra_state")

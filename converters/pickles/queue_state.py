@@ -26,7 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from converters.hf_io import CheckpointError
-from converters.safe_pickle import UnsafeCheckpointError
+from converters.pickles.safe_pickle import UnsafeCheckpointError
 
 # torch.serialization's legacy stream (torch.save(..., _use_new_zipfile_serialization=False))
 LEGACY_MAGIC, LEGACY_PROTOCOL = 0x1950A86A20F9469CFC6C, 1001

@@ -1,3 +1,3 @@
-from recipes.dapo.launch import main
+from recipes.launcher.launch import main
 
 raise SystemExit(main())

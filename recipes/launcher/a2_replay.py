@@ -22,7 +22,7 @@ expert 0: such settings are refused, in one line naming the upstream source and 
   16 or more (ascend_forward_context.py:240-252; all-gather otherwise, which keeps every
   token), but the issue is open and untested here: refused at any TP > 1.
 
-Our rollout (recipes.dapo.overrides.rollout: TP 2, DP 1, no expert parallelism, bf16) takes
+Our rollout (recipes.dapo.job.overrides.rollout: TP 2, DP 1, no expert parallelism, bf16) takes
 vllm-ascend's all-gather path (ascend_forward_context.py:341-342: no EP -> ALLGATHER), which
 routes every token on every TP rank: it is clear of all three and is left as it is.
 """
@@ -30,7 +30,7 @@ routes every token on every TP rank: it is clear of all three and is left as it 
 import re
 from pathlib import Path
 
-from recipes.dapo.cluster import LaunchError
+from recipes.dapo.cluster.ray_job import LaunchError
 
 R = "actor_rollout_ref.rollout"
 VLLM_KWARGS = f"{R}.engine_kwargs.vllm."
@@ -67,7 +67,7 @@ def _int(value, default: int = 1) -> int:
 def refusal(groups: dict[str, dict]) -> str | None:
     """The first rollout setting vllm-ascend 0.23 cannot record R3's routes under, as one line
     naming it, the upstream source and the fix; None when there is none."""
-    from recipes.dapo.overrides import key_of, value_of
+    from recipes.dapo.job.overrides import key_of, value_of
 
     items = {key_of(k): v for kv in groups.values() for k, v in kv.items()}
     vllm = {k.removeprefix(VLLM_KWARGS): v for k, v in items.items() if k.startswith(VLLM_KWARGS)}
@@ -110,7 +110,7 @@ def refusal(groups: dict[str, dict]) -> str | None:
 def check(device: str, groups: dict[str, dict]) -> None:
     """LaunchError (exit 2, before Ray) for R3 on npu with a rollout vllm-ascend cannot record."""
     from recipes.dapo import BACKEND
-    from recipes.dapo.overrides import ACTOR, value_of
+    from recipes.dapo.job.overrides import ACTOR, value_of
 
     if device != "npu" or str(value_of(groups, f"{ACTOR}.{BACKEND}.router_replay")) != "R3":
         return

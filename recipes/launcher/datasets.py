@@ -42,7 +42,7 @@ VAL = Dataset(
     "AIME-2024", "aime-2024.parquet", f"{HF}/AIME-2024/resolve/main/data/aime-2024.parquet", 30
 )
 COLUMNS = ("prompt", "data_source", "reward_model", "ability", "extra_info")
-DAPO_MANAGER = "dapo"  # reward.reward_manager.name of the recipe (recipes.dapo.overrides)
+DAPO_MANAGER = "dapo"  # reward.reward_manager.name of the recipe (recipes.dapo.job.overrides)
 
 
 @dataclass

@@ -5,22 +5,24 @@ notes and warnings, traffic besides forward and backward, the device stack, what
 replay needs from the rollout, which Ray, the job environment and the verl overrides by group.
 """
 
-from backend.common import DEVICE_LABELS
-from recipes.dapo import BACKEND, overrides, stack
+from backend.shared.names import DEVICE_LABELS
+from recipes.dapo import BACKEND
+from recipes.dapo.job import overrides
+from recipes.launcher import stack
 
 RUN_LABELS = {**DEVICE_LABELS, "cpu": f"{DEVICE_LABELS['cpu']} (small Qwen3-MoE)"}
 R3_ROLLOUT = {
     "cuda": "vLLM >= 0.22 (enable_return_routed_experts); the cuda set has vllm 0.24.0",
     "npu": "vLLM >= 0.22 with a vllm-ascend built for it; per A2 set: the stack lines above",
     "cpu": (
-        "vLLM's CPU build returns them (recipes/local/vllm_layers.py reports the CPU MoE "
+        "vLLM's CPU build returns them (recipes/local/cpu/vllm_layers.py reports the CPU MoE "
         "kernel's experts)"
     ),
 }
 
 
 def describe(resolved) -> str:
-    """The report of a recipes.dapo.resolution.Resolved (its `describe()`)."""
+    """The report of a recipes.launcher.resolution.Resolved (its `describe()`)."""
     run = resolved.run
     ours = run.engine == overrides.BACKEND
     actor = "mcore_ep actor" if ours else "verl's FSDP2 actor (--engine fsdp)"
@@ -55,7 +57,7 @@ def describe(resolved) -> str:
 
 def mode_lines(resolved) -> list[str]:
     """verl's trainer mode: what it sets, and separate_async's devices (trainer_modes)."""
-    from recipes.dapo import trainer_modes
+    from recipes.dapo.job import trainer_modes
 
     run = resolved.run
     values = {"sync_step": overrides.value_of(resolved.groups, trainer_modes.SYNC_STEP)}
@@ -87,7 +89,7 @@ def traffic_lines(resolved) -> list[str]:
 def layout_and_warnings(model_fit, plan) -> list[str]:
     """The ranks' layout, then the notes and warnings on it and on the experts' fit."""
     from parallel.advice import cross_node_warnings, expert_notes, expert_warnings, listed
-    from parallel.layout import RankLayout
+    from parallel.rank_layout import RankLayout
     from parallel.report import layout_summary
 
     layout = RankLayout(plan)

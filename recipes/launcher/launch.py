@@ -1,24 +1,24 @@
-"""Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.dapo.launch`).
+"""Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.launcher.launch`).
 
 Cluster run (--device npu|cuda, or the accelerator this machine has): check the plan against
 the model (parallel/), the model and data files, the device stack; decide offload with the
 memory model; print the resolved config; check `ray status`; start verl's own entry point
 (`python -m verl.trainer.main_ppo` + our overrides) on the running Ray cluster, watching its
-nodes (recipes.dapo.lost_node).
+nodes (recipes.dapo.cluster.lost_node).
 Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
-own Ray, on the model --model chose (recipes.dapo.local_model); with --ray-address, the
+own Ray, on the model --model chose (recipes.launcher.local_model); with --ray-address, the
 same job on that running cluster, through the cluster run's steps (`ray status` check, job
 environment, node watch): the one-box rehearsal. Its directory is written only once every check passed (`prepare_local`): an earlier run there is
-moved to <dir>.<UTC timestamp> without --resume (recipes.dapo.local_checks), never deleted.
+moved to <dir>.<UTC timestamp> without --resume (recipes.launcher.local_checks), never deleted.
 Everything after `--` passes through as verl overrides.
 This module runs the resolved job (verl's trainer through the console, the resume it will
-take, the lost-node watch); the flags and their resolution are recipes.dapo.resolution's,
-the printed config recipes.dapo.dry_run's.
-Console (recipes.dapo.console): the child's whole output goes to <run>/logs/launch_NNN.log;
+take, the lost-node watch); the flags and their resolution are recipes.launcher.resolution's,
+the printed config recipes.launcher.dry_run's.
+Console (recipes.dapo.console.screen): the child's whole output goes to <run>/logs/launch_NNN.log;
 the screen shows a line per trainer step, each distinct warning once, the run-health
 alarms and the summary (`--verbose`: every line, as verl prints them).
 
-Exit codes (backend.cli_contract): 0 done (a dry run: resolved), 2 misuse, a missing file or
+Exit codes (backend.shared.cli_contract): 0 done (a dry run: resolved), 2 misuse, a missing file or
 a checkpoint refused on resume (one line naming it and the fix; the launcher's own checks run
 before anything starts, the engine's refusal comes back from the training child with its
 traceback in the launch's log; --debug shows the tracebacks on the console: the launcher's and
@@ -30,11 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from backend.cli_contract import parse_or_exit_code, run_cli
-from recipes.dapo import cluster, local_checks, lost_node, overrides, resume, stack, trainer_modes
-from recipes.dapo.ckpt_layout import ACTOR
-from recipes.dapo.cluster import LaunchError
-from recipes.dapo.resolution import (
+from backend.shared.cli_contract import parse_or_exit_code, run_cli
+from recipes.dapo.checkpoints import resume
+from recipes.dapo.checkpoints.files import ACTOR
+from recipes.dapo.cluster import lost_node
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.job import overrides, trainer_modes
+from recipes.launcher import local_checks, stack
+from recipes.launcher.resolution import (
     Resolved,
     build_parser,
     pick_device,
@@ -106,13 +110,13 @@ def prepare_local(out: Path, args, model: str) -> float:
 def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=None,
                 started: float | None = None) -> int:  # fmt: skip
     """verl's entry point through the console, watching the cluster's nodes (`watch`,
-    recipes.dapo.lost_node); then the routing report with the alarms. A checkpoint the engine
-    refused raises its CheckpointError (recipes.dapo.cluster). The driver and what it started
-    on this machine end with the run (recipes.dapo.run_scope). started: the launcher's start
+    recipes.dapo.cluster.lost_node); then the routing report with the alarms. A checkpoint the engine
+    refused raises its CheckpointError (recipes.dapo.cluster.ray_job). The driver and what it started
+    on this machine end with the run (recipes.dapo.cluster.run_scope). started: the launcher's start
     (launched_at), whence the console's start-up lines count."""
-    from recipes.dapo.console import next_index, open_console
-    from recipes.dapo.health import latest_actor_checkpoint, routing_report
-    from recipes.dapo.run_scope import RunScope
+    from recipes.dapo.cluster.run_scope import RunScope
+    from recipes.dapo.console.health_report import latest_actor_checkpoint, routing_report
+    from recipes.dapo.console.screen import next_index, open_console
 
     run_dir = Path(resolved.run.ckpt_dir)
     console = open_console(run_dir, next_index(run_dir / "logs"), verbose, None,
@@ -154,8 +158,8 @@ def settle_resume(groups: dict[str, dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from backend.device import DeviceError
-    from backend.optional import MissingDependencyError
+    from backend.platform.device import DeviceError
+    from backend.platform.optional import MissingDependencyError
 
     own, extra = split_argv(list(sys.argv[1:] if argv is None else argv))
     args = parse_or_exit_code(build_parser(), own)

@@ -1,10 +1,10 @@
-"""The local run's decisions before anything is written or started (recipes.dapo.resolution).
+"""The local run's decisions before anything is written or started (recipes.launcher.resolution).
 
 `model_fit`: the plan (tp, ep, etp, pp, cp) checked against the model the run will train
-(recipes.dapo.local_model: --model tiny / mini, from its config in memory until it is
+(recipes.launcher.local_model: --model tiny / mini, from its config in memory until it is
 written, or the user's directory) with parallel.plan's checks, the cluster run's: each
 refusal names the legal values.
-`check_rollout_model`: vLLM's CPU backend limits (recipes.local.cpu_limits) on that model.
+`check_rollout_model`: vLLM's CPU backend limits (recipes.local.cpu.rollout_limits) on that model.
 `check_resume`: --resume with no checkpoint to continue is refused, naming the directory.
 `earlier_run` / `set_aside`: a new run in a directory an earlier run wrote into moves that
 run's outputs to `<dir>.<UTC timestamp>` (never deletes them) and says where; the dry run
@@ -16,9 +16,12 @@ import os
 import time
 from pathlib import Path
 
-from recipes.dapo import check_actor_cp, cluster, overrides, resume
-from recipes.dapo.cluster import LaunchError
-from recipes.local.models import BUILT
+from recipes.dapo import check_actor_cp
+from recipes.dapo.checkpoints import resume
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.job import overrides
+from recipes.local.task.built_models import BUILT
 
 # what a local run writes into its directory: the built models and data (recipes.local.run's
 # prepare), verl's outputs, the console's logs, finish's report, export and summary
@@ -44,8 +47,8 @@ def model_fit(config: dict, nodes: int, per_node: int, **dims: int):
 def check_rollout_model(model) -> None:
     """The model the local run serves with vLLM's CPU backend (a local_model.LocalModel): its
     limits, one line each; a tokenizer that does not load is one line too."""
-    from recipes.local.cpu_limits import problems
-    from recipes.local.overrides import ROLLOUT_TP
+    from recipes.local.cpu.rollout_limits import problems
+    from recipes.local.cpu_overrides import ROLLOUT_TP
 
     tokens = model.tokens if model.built else None  # a built one's tokenizer: the task's
     try:

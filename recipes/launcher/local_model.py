@@ -1,12 +1,12 @@
 """The model a local run trains, chosen and checked before anything is written or started.
 
-`--model` takes `mini` (the default), `tiny` (both built by the run, recipes.local.models) or
+`--model` takes `mini` (the default), `tiny` (both built by the run, recipes.local.task.built_models) or
 the directory of the user's own small HF Qwen3-MoE with its tokenizer, used in place (nothing
 copied). A pass-through `-- actor_rollout_ref.model.path=DIR` is the same as `--model DIR`:
 the same checks, and the finish exports against it; both naming different models is refused.
 A directory is checked for what verl and vLLM's CPU backend read: config.json of model_type
 qwen3_moe, safetensors weights, a tokenizer with a chat template (verl's dataloader applies
-it to every prompt); recipes.dapo.local_checks then checks the plan and vLLM's CPU limits
+it to every prompt); recipes.launcher.local_checks then checks the plan and vLLM's CPU limits
 against its config. Each problem: one line (LaunchError) naming it and the fix.
 """
 
@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.dapo import overrides
-from recipes.dapo.cluster import LaunchError
-from recipes.local import models
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.job import overrides
+from recipes.local.task import built_models as models
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 FLAG_HELP = (
@@ -34,9 +34,9 @@ class LocalModel:
     name: str  # tiny | mini | the directory as given
     path: Path  # where verl reads it: <out>/<name>_hf for a built one, else the directory
     config: dict  # its config.json (a built one's in memory until it is written)
-    built: bool  # made by the run (recipes.local.models.make_built)
+    built: bool  # made by the run (recipes.local.task.built_models.make_built)
     tokens: int | None = None  # a built one's tokenizer length before it is written
-    task: str = "doubles"  # recipes.local.overrides.TASKS
+    task: str = "doubles"  # recipes.local.cpu_overrides.TASKS
 
     @property
     def warmed(self) -> bool:

@@ -3,10 +3,10 @@
 `build_parser` and `split_argv`: the launcher's own flags, and the verl overrides after `--`.
 `resolve`: a cluster run (npu / cuda), checked against the model (parallel/), the model and
 data files, the reward its overrides configure; offload decided by the memory model.
-`resolve_local`: the embedded CPU run on the model --model chose (recipes.dapo.local_model:
+`resolve_local`: the embedded CPU run on the model --model chose (recipes.launcher.local_model:
 tiny, mini or the user's directory), or with --ray-address the same job on that running
-cluster, checked as recipes.dapo.local_checks says. Either way a `Resolved` (overrides by group, verl's command line), the pass-through
-overrides checked against verl's config (recipes.dapo.verl_schema), nothing started or
+cluster, checked as recipes.launcher.local_checks says. Either way a `Resolved` (overrides by group, verl's command line), the pass-through
+overrides checked against verl's config (recipes.launcher.verl_schema), nothing started or
 written; misuse raises LaunchError with one line.
 """
 
@@ -15,27 +15,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.cli_contract import OneLineParser
-from recipes.dapo import (
-    a2_replay,
-    check_actor_cp,
-    cluster,
-    data,
-    dry_run,
-    engines,
-    local_model,
-    overrides,
-    trainer_modes,
-)
-from recipes.dapo.cluster import LaunchError
-from recipes.dapo.verl_schema import check_overrides
-from recipes.local.overrides import TASKS
+from backend.shared.cli_contract import OneLineParser
+from recipes.dapo import check_actor_cp
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.job import actors as engines
+from recipes.dapo.job import overrides, trainer_modes
+from recipes.launcher import a2_replay, dry_run, local_model
+from recipes.launcher import datasets as data
+from recipes.launcher.verl_schema import check_overrides
+from recipes.local.cpu_overrides import TASKS
 from recipes.local.warmup import WARMUP
 
-# the launcher's --help headline (recipes/dapo/launch.py is the entry point)
-DESCRIPTION = (
-    "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.dapo.launch`)."
-)
+# the launcher's --help headline (recipes/launcher/launch.py is the entry point)
+DESCRIPTION = "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.launcher.launch`)."
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps")
@@ -164,7 +157,7 @@ class Resolved:
         return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides.to_cli(self.groups)]
 
     def describe(self) -> str:
-        """What the dry run prints, and every launch's log begins with (recipes.dapo.dry_run)."""
+        """What the dry run prints, and every launch's log begins with (recipes.launcher.dry_run)."""
         return dry_run.describe(self)
 
 
@@ -176,7 +169,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def pick_device(requested: str | None) -> str:
-    from backend.device import resolve_device
+    from backend.platform.device import resolve_device
 
     return resolve_device(requested or "auto")
 
@@ -229,7 +222,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     """Everything checked and decided; nothing started. Raises with one line on misuse."""
     from parallel.models import load_spec
     from parallel.plan import PlanError, plan_for_model
-    from recipes.dapo.fit import fit_rollout
+    from recipes.dapo.job.fit import fit_rollout
 
     local = [f"--{n}" for n in LOCAL_ONLY if getattr(args, n) not in (None, False)]
     if local:
@@ -257,7 +250,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     skew = _assumed_skew(args.skew_from, plan.ep)
     fit = fit_rollout(model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
     if not args.dry_run:  # what only a real launch needs
-        from backend.optional import require
+        from backend.platform.optional import require
         from converters.hf_io import shard_files
 
         shard_files(model)  # raises CheckpointError naming what is missing
@@ -315,10 +308,10 @@ def _assumed_skew(report: str | None, ep: int):
 def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.LocalModel]:
     """The embedded run: the same overrides on the chosen model and the toy task
     (recipes.local); with --ray-address on that cluster's --nodes x --devices-per-node ranks.
-    Checks only: nothing is written (recipes.dapo.local_checks; the launch prepares the
+    Checks only: nothing is written (recipes.launcher.local_checks; the launch prepares the
     directory after them)."""
-    from recipes.dapo import local_checks as checks
-    from recipes.dapo.fit import Fit
+    from recipes.dapo.job.fit import Fit
+    from recipes.launcher import local_checks as checks
     from recipes.local import run as local
 
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from recipes.dapo.a2_replay import A2_R3
-from recipes.dapo.cluster import LaunchError
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.launcher.a2_replay import A2_R3
 
 STACKS = Path(__file__).resolve().parents[2] / "scripts" / "stacks"
 _A2 = ("torch", "torch-npu", "megatron-core", "mindspeed", "vllm", "vllm-ascend", "transformers",
@@ -51,7 +51,7 @@ IMAGES = {
 # 0.9.1 asks vLLM for them only from 0.22.0 on: below it, vLLMHttpServer refuses
 # rollout.enable_rollout_routing_replay=True (verl/workers/rollout/vllm_rollout/
 # vllm_async_server.py:445), whatever the platform plugin can capture. npu-cann91's caveats are
-# recipes.dapo.a2_replay's (what the launcher refuses there, and what it cannot check).
+# recipes.launcher.a2_replay's (what the launcher refuses there, and what it cannot check).
 R3 = {
     "npu": (
         "not available: vllm 0.11.0 + vllm-ascend 0.11.0rc1 return no routed_experts "

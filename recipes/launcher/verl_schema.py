@@ -6,14 +6,14 @@ line, as verl's `main_ppo` will, and instantiates nothing. An override naming a 
 config lacks stops the launch with one line naming the nearest key there is (difflib), instead
 of Hydra's traceback after Ray has started. `+key=value` (add) and `~key` (delete) pass as
 Hydra reads them. Without pass-through overrides nothing is composed: the launcher's own set
-is composed against verl's config by tests/test_train_script.py.
+is composed against verl's config by tests/recipes/test_train_script.py.
 """
 
 import difflib
 import re
 from pathlib import Path
 
-from recipes.dapo.overrides import quoted
+from recipes.dapo.job.overrides import quoted
 
 CONFIG_NAME = "ppo_trainer"
 _MISSING = (
@@ -33,7 +33,7 @@ def config_dir() -> Path:
 
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        from backend.optional import MissingDependencyError
+        from backend.platform.optional import MissingDependencyError
 
         raise MissingDependencyError("verl is not installed: run scripts/bootstrap.sh")
     return Path(spec.submodule_search_locations[0]) / "trainer" / "config"

@@ -1,16 +1,16 @@
 """What the CPU run changes on top of the cluster's overrides: platform, rollout, model, data, plan.
 
-`recipes.dapo.overrides.build` makes the same groups for every device; for device cpu it
+`recipes.dapo.job.overrides.build` makes the same groups for every device; for device cpu it
 adds these, which replace the cluster values with the same keys. Everything else (DAPO's
 loss, dynamic sampling on `acc`, GRPO, the dapo reward manager, the engine, checkpoints,
 resume) is the cluster's.
 """
 
-PLATFORM_MODULES = "recipes.local.platform"
+PLATFORM_MODULES = "recipes.local.cpu.platform"
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
 ROLLOUT_TP = 1
-# the CPU platform's part of the job environment (recipes.dapo.cluster.job_env): the driver's
+# the CPU platform's part of the job environment (recipes.dapo.cluster.ray_job.job_env): the driver's
 # and every Ray worker's, on the embedded run and on a cluster alike
 CPU_ENV = {
     "VERL_PLATFORM": "cpu",
@@ -37,12 +37,12 @@ TOY = dict(
     inflight_gen_batches=2,
     test_freq=5,
     val_n=8,  # 8 samples of each validation prompt: a steadier yardstick
-    score="task",  # recipes/local/task.py's compute_score (the leading digits)
+    score="task",  # recipes/local/task/doubles.py's compute_score (the leading digits)
     batched_tokens=256,  # vLLM's max_num_batched_tokens
     run_name="tiny-qwen3-moe",  # the experiment's name, before its plan
     steps=35,  # the run's default --steps: validation >= 0.9 from about step 25
 )
-# the mini model's task (recipes.local.sums): worked sums of 10-40 tokens; the policy comes
+# the mini model's task (recipes.local.task.sums): worked sums of 10-40 tokens; the policy comes
 # from the SFT warm-up (recipes.local.warmup), so RL refines it at a lower learning rate
 SUMS = dict(
     TOY,
@@ -71,8 +71,8 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 
 def cpu_overrides(run) -> dict[str, dict]:
-    """{concern: {override: value}} for the embedded run (run: recipes.dapo.overrides.RunSpec)."""
-    from recipes.dapo.engines import plan_label
+    """{concern: {override: value}} for the embedded run (run: recipes.dapo.job.overrides.RunSpec)."""
+    from recipes.dapo.job.actors import plan_label
 
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     world, task = run.plan.world, TASKS[run.task]
@@ -135,7 +135,7 @@ def cpu_overrides(run) -> dict[str, dict]:
 
 def _task_score(run) -> dict:
     return {
-        "reward.custom_reward_function.path": str(run.repo / "recipes/local/task.py"),
+        "reward.custom_reward_function.path": str(run.repo / "recipes/local/task/doubles.py"),
         "reward.custom_reward_function.name": "compute_score",
     }
 
@@ -143,10 +143,10 @@ def _task_score(run) -> dict:
 def embedded_ray(world: int) -> dict:
     """The Ray that verl's ray.init() starts for the embedded run: a new one always (never a
     cluster that `ray start` left on this machine), with what the CPU platform declares. On a
-    running cluster the nodes declare it (recipes/dapo/ray_node.py)."""
+    running cluster the nodes declare it (recipes/dapo/cluster/ray_node.py)."""
     return {
         "+ray_kwargs.ray_init.address": "local",
         "ray_kwargs.ray_init.num_cpus": 32,  # TransferQueue's storage actors each ask for one
-        "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.platform
+        "+ray_kwargs.ray_init.num_gpus": world,  # see recipes.local.cpu.platform
         "+ray_kwargs.ray_init.include_dashboard": False,
     }

@@ -2,7 +2,7 @@
 
 Ours (mcore_ep): converters' mcore-to-hf of the torch_dist checkpoint, checked against that
 checkpoint in megatron-core. verl's FSDP engine (`--engine fsdp`): the HF model verl saved with
-the checkpoint (`<actor>/huggingface/`, recipes.dapo.engines.SAVE_WITH_HF), copied whole,
+the checkpoint (`<actor>/huggingface/`, recipes.dapo.job.actors.SAVE_WITH_HF), copied whole,
 checked in both stacks: transformers and megatron-core (our engine's loader) read it to the
 same logits, so either actor trains on from it.
 """
@@ -37,7 +37,7 @@ def check_fsdp_export(actor: Path, out: Path) -> tuple[Path, float]:
     import shutil
 
     from converters.atomic import atomic_dir
-    from recipes.dapo.engines import HF_DIR
+    from recipes.dapo.job.actors import HF_DIR
 
     source = actor / HF_DIR
     if not any(source.glob("*.safetensors")):
@@ -66,13 +66,13 @@ def _logits_diff(actor: Path | None, export: Path) -> float:
     engine's HF loader) against transformers on the export."""
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
-    from backend.device import prepare_device
-    from backend.distributed import destroy_parallel, init_parallel
-    from backend.forward import forward_logits
-    from backend.model import build_model
+    from backend.model.build import build_model
+    from backend.model.forward import forward_logits
+    from backend.platform.device import prepare_device
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from recipes.dapo import weights
-    from recipes.dapo.ckpt_layout import MODEL_DIR
+    from backend.training.distributed import destroy_parallel, init_parallel
+    from recipes.dapo.checkpoints.files import MODEL_DIR
+    from recipes.dapo.engine import weights
 
     probe_BS = _probe_BS(AutoTokenizer.from_pretrained(export))
     groups = init_parallel(prepare_device("cpu"))

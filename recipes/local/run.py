@@ -1,11 +1,11 @@
 """The embedded run: verl's own DAPO trainer on a small Qwen3-MoE, on this machine's CPUs.
 
-`bash scripts/train_mcore.sh` without an accelerator lands here (recipes.dapo.launch):
-1. prepare <out>/: the model --model builds (tiny or mini, recipes.local.models: <name>_hf/,
+`bash scripts/train_mcore.sh` without an accelerator lands here (recipes.launcher.launch):
+1. prepare <out>/: the model --model builds (tiny or mini, recipes.local.task.built_models: <name>_hf/,
    with the task's character tokenizer; a user's directory is used in place) and the task's
    parquet files (data/), once;
 2. run `python -m verl.trainer.main_ppo` with the cluster's overrides plus the CPU ones
-   (recipes.local.overrides): Ray, the V1 trainer, our mcore_ep engine, the CPU rollout,
+   (recipes.local.cpu_overrides): Ray, the V1 trainer, our mcore_ep engine, the CPU rollout,
    verl's weight sync, checkpoints under <out>/checkpoints (resume_mode=auto);
 3. finish: export the last checkpoint to HF (converters) against the model it trained
    (`trained_model`), check that transformers reloads it with the same logits as megatron-core, render the routing report, plot the reward curve,
@@ -25,8 +25,8 @@ MODEL_KEY = "actor_rollout_ref.model.path"
 
 
 def tiny_hf_config() -> dict:
-    """The tiny model's config.json fields, in memory (recipes.local.models.built_config)."""
-    from recipes.local.models import built_config
+    """The tiny model's config.json fields, in memory (recipes.local.task.built_models.built_config)."""
+    from recipes.local.task.built_models import built_config
 
     return built_config("tiny")
 
@@ -39,9 +39,9 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny",
     directory RL reads for a built model (None for a directory) and the data files."""
     from transformers.utils.logging import disable_progress_bar
 
-    from recipes.local.models import BUILT, TASK_OF, make_built
-    from recipes.local.sums import write_sums_data
-    from recipes.local.task import write_data
+    from recipes.local.task.built_models import BUILT, TASK_OF, make_built
+    from recipes.local.task.doubles import write_data
+    from recipes.local.task.sums import write_sums_data
     from recipes.local.warmup import WARMUP, warm_up
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
@@ -61,16 +61,16 @@ def prepare(out: Path, seed: int = 0, model: str = "tiny",
 def trained_model(groups: dict[str, dict]) -> Path:
     """The model verl's trainer was given (actor_rollout_ref.model.path after the
     pass-through overrides): the export's template and the reload check's tokenizer."""
-    from recipes.dapo.overrides import value_of
+    from recipes.dapo.job.overrides import value_of
 
     return Path(str(value_of(groups, MODEL_KEY))).expanduser()
 
 
 def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
     """The environment of the driver and (through ray_env) every Ray worker: the cluster
-    run's for device cpu (recipes.dapo.cluster.job_env) and this run's outputs (fresh: in a
-    directory emptied first, recipes.dapo.local_checks.set_aside)."""
-    from recipes.dapo.cluster import job_env as cluster_env
+    run's for device cpu (recipes.dapo.cluster.ray_job.job_env) and this run's outputs (fresh: in a
+    directory emptied first, recipes.launcher.local_checks.set_aside)."""
+    from recipes.dapo.cluster.ray_job import job_env as cluster_env
 
     return {
         **cluster_env("cpu", None),
@@ -85,7 +85,7 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
            engine: str = "mcore_ep") -> int:  # fmt: skip
     """Export against `model` (the trained one: its config and tokenizer), reload check,
     routing report, reward curve, summary (after verl returns); with
-    a console (recipes.dapo.console) what that work prints goes to the run's log, and the
+    a console (recipes.dapo.console.screen) what that work prints goes to the run's log, and the
     summary is the last thing on screen."""
     with console.capture() if console else nullcontext():
         summary = _finish_files(out, model, wall_s, verl_s, target, world, prepared_s, engine)
@@ -98,7 +98,11 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
 
 def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
                   world: int, prepared_s: float = 0.0, engine: str = "mcore_ep") -> dict:  # fmt: skip
-    from recipes.dapo.health import latest_actor_checkpoint, latest_fsdp_checkpoint, routing_report
+    from recipes.dapo.console.health_report import (
+        latest_actor_checkpoint,
+        latest_fsdp_checkpoint,
+        routing_report,
+    )
     from recipes.local.export import check_export, check_fsdp_export
 
     history = read_history(out / METRICS)
@@ -146,22 +150,22 @@ def read_history(folder: Path) -> list[dict]:
 
 def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = False,
         watch=None, prepared_s: float = 0.0) -> int:  # fmt: skip
-    """verl's trainer through the launcher's console (recipes.dapo.console), then finish on
+    """verl's trainer through the launcher's console (recipes.dapo.console.screen), then finish on
     the model it trained (`trained_model`: the built one, or the user's directory). A
-    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster), a Ray
-    that failed to start every attempt RayStartError (recipes.dapo.ray_start); the run's
-    processes and leftovers end with it (recipes.dapo.run_scope). watch: a
-    recipes.dapo.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
-    start (recipes.dapo.launch.launched_at, time.perf_counter's clock): the wall time and the
+    checkpoint the engine refused raises its CheckpointError (recipes.dapo.cluster.ray_job), a Ray
+    that failed to start every attempt RayStartError (recipes.dapo.cluster.ray_start); the run's
+    processes and leftovers end with it (recipes.dapo.cluster.run_scope). watch: a
+    recipes.dapo.cluster.lost_node.NodeWatch on a running cluster (--ray-address). t0: the launcher's
+    start (recipes.launcher.launch.launched_at, time.perf_counter's clock): the wall time and the
     console's start-up lines count from it; prepared_s: of that, making the model, the data
-    and the warm-up (recipes.dapo.launch.prepare_local)."""
+    and the warm-up (recipes.launcher.launch.prepare_local)."""
     from backend.monitor.alarms import AlarmRules
-    from recipes.dapo.cluster import interrupted_line, run_command
-    from recipes.dapo.console import open_console
-    from recipes.dapo.lost_node import failure_line
-    from recipes.dapo.ray_start import run_retrying
-    from recipes.dapo.run_scope import RunScope
-    from recipes.local.overrides import TOY_ALARMS
+    from recipes.dapo.cluster.lost_node import failure_line
+    from recipes.dapo.cluster.ray_job import interrupted_line, run_command
+    from recipes.dapo.cluster.ray_start import run_retrying
+    from recipes.dapo.cluster.run_scope import RunScope
+    from recipes.dapo.console.screen import open_console
+    from recipes.local.cpu_overrides import TOY_ALARMS
 
     env = resolved.run.env
     index = int(Path(env["VERL_FILE_LOGGER_PATH"]).stem.removeprefix("launch_"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-PARITY_TOL = 1e-5  # max |logits diff| vs transformers in fp32 (tests/test_parity.py's)
+PARITY_TOL = 1e-5  # max |logits diff| vs transformers in fp32 (tests/backend/test_parity.py's)
 
 
 def _parse(argv=None):
@@ -33,19 +33,19 @@ def counting_batch(batch: int, seq: int, vocab: int, generator: torch.Generator)
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     device = prepare_device("cpu")
     from tqdm import tqdm
     from transformers import Qwen3MoeForCausalLM
 
-    from backend.distributed import init_parallel
-    from backend.forward import forward_logits, next_token_log_probs
-    from backend.model import build_model
+    from backend.model.build import build_model
+    from backend.model.forward import forward_logits, next_token_log_probs
     from backend.qwen3_moe import load_qwen3_moe_spec
+    from backend.training.distributed import init_parallel
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_into_model, model_to_hf
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     t0 = time.perf_counter()
     hf_dir = make_tiny_checkpoint(args.out / "tiny_hf", seed=args.seed)

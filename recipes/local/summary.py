@@ -4,14 +4,14 @@ The yardstick is verl's validation of the DAPO recipe (`trainer.test_freq`): the
 one sampled response per validation prompt (score and overlong penalty, as trained on) and
 its accuracy. Train-batch scores are plotted too, but dynamic sampling keeps only groups
 whose accuracy varies, so they stay below what the policy does.
-The actor's `timing/*` (backend.timing, logged by verl as actor/timing/*) give the mean
-communication share of its steps, with backend.timing's warning line when it is over 30%.
+The actor's `timing/*` (backend.instruments.timing, logged by verl as actor/timing/*) give the mean
+communication share of its steps, with backend.instruments.timing's warning line when it is over 30%.
 """
 
 import json
 from pathlib import Path
 
-from recipes.local.overrides import TOY
+from recipes.local.cpu_overrides import TOY
 
 REWARD_KEY = f"val-aux/math_dapo/reward/mean@{TOY['val_n']}"
 ACC_KEY = f"val-core/math_dapo/acc/mean@{TOY['val_n']}"
@@ -48,9 +48,9 @@ def step_phases(history: list[dict]) -> dict[str, float]:
 
 def comm_share_summary(history: list[dict], world: int = 1) -> dict:
     """Mean actor/timing/comm_share over the steps that logged it, and the warning line if it
-    is over 30% (backend.comm_share.comm_share_warning, the steps' mean seconds as its parts; the
+    is over 30% (backend.instruments.comm_share.comm_share_warning, the steps' mean seconds as its parts; the
     advice for one CPU box of `world` ranks: gloo named as the cause)."""
-    from backend.comm_share import CommLayout, comm_share_warning
+    from backend.instruments.comm_share import CommLayout, comm_share_warning
 
     rows = [r for r in history if f"{ACTOR_TIMING}comm_share" in r]
     if not rows:

@@ -1,6 +1,6 @@
 """The SFT warm-up: verl's own SFT trainer (verl/trainer/sft_trainer.py) on our mcore_ep engine.
 
-RL from random weights cannot earn a binary reward on the sums task (recipes.local.sums),
+RL from random weights cannot earn a binary reward on the sums task (recipes.local.task.sums),
 so the local run starts from a policy that speaks its format: a short SFT on the task's
 worked answers, made once per run directory. verl's SFT trainer builds its engine through
 TrainingWorker -> EngineRegistry, the registry that finds `mcore_ep` for RL: this module only
@@ -26,8 +26,8 @@ from pathlib import Path
 
 SFT_DIR, WORK_DIR = "sft_hf", "warmup"  # under the run directory: the warmed model, the work
 PROGRESS_EVERY_S = 15.0
-ENGINE_TARGET = "recipes.dapo.config.McoreEpEngineConfig"
-ENGINE_MODULE = "recipes.dapo.engine"
+ENGINE_TARGET = "recipes.dapo.engine.config.McoreEpEngineConfig"
+ENGINE_MODULE = "recipes.dapo.engine.verl_engine"
 WARMUP = dict(steps=200, batch=32, lr=3e-3, warmup_steps=5, max_length=96)
 
 
@@ -127,7 +127,7 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
 
 def _env(metrics: Path) -> dict[str, str]:
     """One rank of its own world (torchrun's variables, without its agent process)."""
-    from recipes.local.overrides import CPU_ENV
+    from recipes.local.cpu_overrides import CPU_ENV
 
     env = {**os.environ, **CPU_ENV, "VERL_FILE_LOGGER_PATH": str(metrics)}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",

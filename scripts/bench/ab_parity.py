@@ -33,7 +33,7 @@ def make_batch(vocab: int, pad_id: int | None, groups: int = 2, n: int = 16, pro
     `policy` (transformers' model of the same weights; None: random tokens), random lengths
     and rewards; without the pad token: transformers' nn.Embedding(padding_idx) never trains
     its row, ours (as verl's Megatron engine) does, a known difference
-    (tests/test_first_update.py)."""
+    (tests/recipes/test_first_update.py)."""
     from verl.utils import tensordict_utils as tu
 
     gen, rows = torch.Generator().manual_seed(seed), []
@@ -84,7 +84,7 @@ def build(kind: str, hf_dir: Path):
     from verl.workers.engine import EngineRegistry
 
     if kind == "fsdp":
-        import recipes.local.fsdp_cpu  # noqa: F401  (verl's FSDP engine for device cpu)
+        import recipes.local.cpu.fsdp_engine  # noqa: F401  (verl's FSDP engine for device cpu)
 
         model = HFModelConfig(path=str(hf_dir), load_tokenizer=False,
                               override_config={"attn_implementation": "sdpa"})  # fmt: skip
@@ -94,8 +94,8 @@ def build(kind: str, hf_dir: Path):
         )  # fmt: skip
         backend = "fsdp2"
     else:
-        import recipes.dapo.engine  # noqa: F401  (registers ours)
-        from recipes.dapo.config import McoreEpEngineConfig
+        import recipes.dapo.engine.verl_engine  # noqa: F401  (registers ours)
+        from recipes.dapo.engine.config import McoreEpEngineConfig
 
         model = HFModelConfig(path=str(hf_dir), load_tokenizer=False)
         engine_config, backend = McoreEpEngineConfig(aux_loss={"mode": "off"}), "mcore_ep"
@@ -112,7 +112,7 @@ def step_one(engine, data) -> dict:
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import response_from_nested
 
-    from recipes.dapo.config import McoreEpActorConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig
 
     with engine.eval_mode():
         log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
@@ -138,7 +138,7 @@ def compare(hf_dir: Path, batch_seed: int = 0) -> dict:
     from transformers import AutoConfig
 
     os.environ["VERL_PLATFORM"] = "cpu"  # verl's engines ask it for their device
-    import recipes.local.platform  # noqa: F401  (registers that platform)
+    import recipes.local.cpu.platform  # noqa: F401  (registers that platform)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend.common import AUX_LOSS_PREFIX  # noqa: E402
+from backend.shared.names import AUX_LOSS_PREFIX  # noqa: E402
 
 QWEN3 = {"type": "global_batch", "coeff": 0.001}
 SETTINGS = {
@@ -91,9 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     os.environ.setdefault("VERL_ENGINE_DEVICE", args.device)
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     init_parallel(prepare_device(args.device), seed=0)
     shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden,

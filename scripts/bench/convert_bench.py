@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from backend.common import ceil_div  # noqa: E402
+from backend.shared.names import ceil_div  # noqa: E402
 from parallel.models import QWEN3_30B_A3B  # noqa: E402
 
 GB = 1e9
@@ -46,7 +46,7 @@ def hf_tensor_list(config: dict):
     """Name, shape and dtype of every HF tensor: the converters' own layout and table."""
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.convert import hf_specs
-    from converters.layout import build_layout
+    from converters.dist_layout import build_layout
 
     spec = load_qwen3_moe_spec(config)
     return hf_specs(build_layout(spec, torch.bfloat16), spec)

@@ -27,8 +27,8 @@ def build_engine(hf_dir, lr: float = 1e-5, **engine_config):
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    import recipes.dapo.engine  # noqa: F401  (registers the backend)
-    from recipes.dapo.config import McoreEpEngineConfig
+    import recipes.dapo.engine.verl_engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
     engine = EngineRegistry.new(
         model_type="language_model",

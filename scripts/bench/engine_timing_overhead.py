@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
     from engine_batches import build_engine, random_batch
 
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     init_parallel(prepare_device("cpu"), seed=0)
     shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden,

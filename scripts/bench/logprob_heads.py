@@ -4,10 +4,10 @@ Two passes on a one-layer Qwen3-MoE (megatron-core GPTModel, world 1, fp32 CPU) 
 scaled-down vocab, T tokens in rows of --seq:
 - logprob: the old-log-prob pass, forward with entropy under no_grad;
 - update:  forward (log-probs, entropy off as in DAPO's update) and backward of their sum.
-Heads: "full" (recipes.dapo.heads.full_head_outputs: [B, S, V] logits and their fp32
-copies) and "lean" (backend.lean_head: chunks, the output projection fused).
+Heads: "full" (recipes.dapo.engine.logprobs.full_head_outputs: [B, S, V] logits and their fp32
+copies) and "lean" (backend.model.lean_head: chunks, the output projection fused).
 --scope head measures the head alone, on final hidden states computed before the pass (the
-update: their gradient too), and reports parallel/heads.py's estimate of it beside each
+update: their gradient too), and reports parallel/head_memory.py's estimate of it beside each
 peak (model_bytes); --chunk-mib sets the lean head's chunk buffer (a toy size then still
 splits T into chunks).
 
@@ -91,11 +91,11 @@ def _reset_peak() -> None:
 
 
 def build(args):
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
+    from backend.platform.device import prepare_device
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from recipes.local.tiny_model import tiny_config
+    from backend.training.distributed import init_parallel
+    from recipes.local.task.hf_checkpoints import tiny_config
 
     groups = init_parallel(prepare_device("cpu"))
     config = tiny_config(
@@ -112,7 +112,7 @@ def run_pass(model, ids_BS, head: str, which: str, temperature: float, hidden_SB
     """One pass; with hidden_SBH (final hidden states) the head alone on them."""
     import torch
 
-    from recipes.dapo.heads import head_outputs
+    from recipes.dapo.engine.logprobs import head_outputs
 
     lean, entropy = head == "lean", which == "logprob"
     if hidden_SBH is not None:
@@ -131,8 +131,8 @@ def run_pass(model, ids_BS, head: str, which: str, temperature: float, hidden_SB
 def head_on_hidden(model, hidden_SBH, ids_BS, temperature, lean: bool, entropy: bool) -> dict:
     """head_outputs' head on final hidden states: the lean one, or GPTModel's output layer
     (its [B, S, V] logits, as forward_logits returns them) and the full head on its logits."""
-    from backend.lean_head import gpt_of
-    from recipes.dapo.heads import full_head_from_logits, head_from_hidden
+    from backend.model.lean_head import gpt_of
+    from recipes.dapo.engine.logprobs import full_head_from_logits, head_from_hidden
 
     if lean:
         return head_from_hidden(model, hidden_SBH, ids_BS, temperature, entropy)
@@ -146,12 +146,12 @@ def child(args) -> dict:
 
     import torch
 
-    import backend.lean_head
-    from backend.lean_head import forward_hidden
+    import backend.model.lean_head
+    from backend.model.lean_head import forward_hidden
 
     torch.set_num_threads(args.threads)
     if args.chunk_mib:
-        backend.lean_head.CHUNK_BYTES = args.chunk_mib * 2**20
+        backend.model.lean_head.CHUNK_BYTES = args.chunk_mib * 2**20
     head, which, tokens = args.child.split(",")
     model = build(args)
     rows = int(tokens) // args.seq
@@ -184,12 +184,12 @@ def child(args) -> dict:
 
 
 def model_bytes(args, head: str, which: str, tokens: int) -> float:
-    """parallel/heads.py's peak of the head alone (fp32, tp 1, this chunk size)."""
-    import backend.lean_head
-    from parallel.heads import head_bytes
+    """parallel/head_memory.py's peak of the head alone (fp32, tp 1, this chunk size)."""
+    import backend.model.lean_head
+    from parallel.head_memory import head_bytes
 
     return head_bytes(tokens, args.vocab, args.hidden, 4, head == "lean", which == "update",
-                      backend.lean_head.CHUNK_BYTES)  # fmt: skip
+                      backend.model.lean_head.CHUNK_BYTES)  # fmt: skip
 
 
 def measure(args, head: str, which: str, tokens: int) -> dict:
@@ -229,7 +229,7 @@ def report(results: list[dict]) -> list[str]:
                 f"{lean['seconds'] / full['seconds']:10.2f}"
             )
     if all("model_bytes" in r for r in results):
-        lines.append("the head alone, measured / parallel/heads.py's estimate:")
+        lines.append("the head alone, measured / parallel/head_memory.py's estimate:")
         for r in results:
             ratio = f"{r['peak_bytes'] / r['model_bytes']:6.3f}" if r["peak_bytes"] else "   n/a"
             lines.append(f"  {r['head']:<5}{r['pass']:<8}{r['tokens']:>7}  {_mib(r['peak_bytes'])}"

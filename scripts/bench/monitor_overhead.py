@@ -102,10 +102,10 @@ def shape_of(args) -> dict:
 
 
 def build(shape: dict, device: str, dtype: torch.dtype):
-    from backend.distributed import init_parallel
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from recipes.local.tiny_model import tiny_config
+    from backend.training.distributed import init_parallel
+    from recipes.local.task.hf_checkpoints import tiny_config
 
     groups = init_parallel(device)
     config = tiny_config(
@@ -136,7 +136,7 @@ def make_batch(shape: dict, device: torch.device):
 
 
 def actor_step(model, ids_BS, mask_BS) -> None:
-    from backend.forward import forward_logits, token_log_probs
+    from backend.model.forward import forward_logits, token_log_probs
 
     logp_BS = token_log_probs(forward_logits(model, ids_BS)[:, :-1], ids_BS[:, 1:])
     (-(logp_BS * mask_BS[:, 1:]).sum() / mask_BS[:, 1:].sum()).backward()
@@ -157,7 +157,7 @@ class Modes:
         self.tap, self.steps = None, 0
 
     def set(self, mode: str) -> None:
-        from backend.router_tap import RouterTap
+        from backend.instruments.router_tap import RouterTap
 
         if self.tap is not None:
             self.tap.remove()
@@ -232,7 +232,7 @@ def write_json(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     args = parse_args(argv)
     device = prepare_device(args.device)

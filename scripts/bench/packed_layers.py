@@ -1,7 +1,7 @@
 """Packed (THD) vs right-padded micro-batches on Qwen3-30B-A3B-shaped MoE layers, model level.
 
 No verl: only torch, megatron-core and transformers (what the one-GPU machine has). The model
-is step_bench's `ours` (backend.model.build_model, local spec, our grouped-GEMM experts and
+is step_bench's `ours` (backend.model.build.build_model, local spec, our grouped-GEMM experts and
 SDPA attention) on one of step_bench's presets (4L / 12L: real Qwen3-30B-A3B layer shapes,
 fewer layers; tiny: the CPU run's tiny Qwen3-MoE), bf16 on cuda, fp32 on cpu (--dtype
 overrides). One process, world 1.
@@ -13,11 +13,11 @@ once, as the engine plans padded ones (recipes/dapo/batches.plan_by_tokens, tp 1
 first, rows x longest row <= --budget (default: the preset's batch x seq tokens). Both modes
 run the same micro-batches, the same rows:
 - padded: [rows, longest] right-padded, causal attention (padding after every real token);
-- packed: one [1, T] row with megatron-core's PackedSeqParams (backend/packing.py, the layout
+- packed: one [1, T] row with megatron-core's PackedSeqParams (backend/model/packing.py, the layout
   the engine's packed micro-batches use), attention and RoPE positions per sequence.
 
 One step = every micro-batch's forward + backward (gradients accumulate, set to None before
-the step; no optimizer, so the weights never change). Per micro-batch: backend.forward's
+the step; no optimizer, so the weights never change). Per micro-batch: backend.model.forward's
 forward_logits -> token_log_probs(logits[:, :-1], ids[:, 1:]), the log-probs of real next
 tokens of the same sequence summed; loss = -that sum. `logprob_sum` is the step's total:
 the same model on the same sequences, so packed and padded agree (to fp32 rounding on CPU;
@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench  # noqa: E402  (same directory: presets, shapes, model options, env)
 
-from backend.packing import packed_layout  # noqa: E402
+from backend.model.packing import packed_layout  # noqa: E402
 
 MODES = ("padded", "packed")
 GIB = 1024**3
@@ -145,7 +145,7 @@ def micro_batches(seqs: list[torch.Tensor], plans: list[list[int]], device: str)
 
 def make_step(model, mbs: list[dict], mode: str):
     """One forward + backward over every micro-batch; returns the summed log-probs (float)."""
-    from backend.forward import forward_logits, token_log_probs
+    from backend.model.forward import forward_logits, token_log_probs
 
     def step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
@@ -207,10 +207,10 @@ def ratio(a, b):
 
 
 def setup(args) -> dict:
-    from backend.device import prepare_device, resolve_device
-    from backend.distributed import init_parallel
-    from backend.model import build_model
+    from backend.model.build import build_model
+    from backend.platform.device import prepare_device, resolve_device
     from backend.qwen3_moe import load_qwen3_moe_spec
+    from backend.training.distributed import init_parallel
 
     device = resolve_device(args.device)
     groups = init_parallel(prepare_device(device))

@@ -7,7 +7,7 @@ another, alternating, so both see the same machine state:
   (log-normal, median --response-median, clipped to --response-max), as DAPO's rollouts;
 - update: forward_backward_batch with verl's ppo_loss (DAPO clip-higher, token-mean),
   micro-batches planned by --max-tokens (ppo_max_token_len_per_gpu) as the engine plans
-  them (recipes.dapo.batches.plan_lengths: padded slots <= the budget; packed tokens <= the
+  them (recipes.dapo.engine.batches.plan_lengths: padded slots <= the budget; packed tokens <= the
   padded plan's largest micro-batch);
 - old log-probs: infer_batch (forward only) on the same batch;
 - the packed-length ladder (--ladder, mcore_ep.packed_length_step: 512 on npu): the slots it
@@ -127,7 +127,7 @@ def make_batch(lengths, vocab: int, max_tokens: int, seed: int):
 def ladder_stats(lengths: list[int], max_tokens: int, step: int) -> dict:
     """The packed plan with its totals on a ladder of `step` tokens (mcore_ep
     .packed_length_step): the slots it adds over packing without it, the shapes it leaves."""
-    from recipes.dapo.batches import micro_batch_slots, plan_lengths
+    from recipes.dapo.engine.batches import micro_batch_slots, plan_lengths
 
     slots = {}
     for s in (1, step):
@@ -143,7 +143,12 @@ def ladder_stats(lengths: list[int], max_tokens: int, step: int) -> dict:
 def padding_stats(data, max_tokens: int, ladder: int = 1) -> dict:
     """Micro-batches and padded-token share of the padded plan vs the packed one (the engine's
     planner at world 1, tp 1), and what a packed-length ladder adds."""
-    from recipes.dapo.batches import _lengths, micro_batch_slots, packed_slot_budget, plan_lengths
+    from recipes.dapo.engine.batches import (
+        _lengths,
+        micro_batch_slots,
+        packed_slot_budget,
+        plan_lengths,
+    )
 
     lengths = _lengths(data["input_ids"]).tolist()
     plans = {packed: plan_lengths(lengths, max_tokens, 1, packed) for packed in (False, True)}
@@ -178,7 +183,7 @@ def timed(fn, warmup: int, iters: int) -> list[float]:
 def passes(engine, data):
     from verl.workers.utils.losses import ppo_loss
 
-    from recipes.dapo.config import McoreEpActorConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig
 
     config = McoreEpActorConfig(
         rollout_n=1, use_dynamic_bsz=True, clip_ratio_low=0.2, clip_ratio_high=0.28,
@@ -208,8 +213,8 @@ def child(args) -> dict:
     """One engine, one pass: warm up, reset the high-water mark, measure the next pass."""
     import gc
 
-    from recipes.local.tiny_model import make_tiny_checkpoint
-    from tests.test_verl_engine import build_engine
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
+    from tests.recipes.test_verl_engine import build_engine
 
     torch.set_num_threads(args.threads)
     name, which = args.child.split(",")
@@ -289,8 +294,8 @@ def main(argv=None) -> dict:
 
 
 def timing(args, data, tokens: int) -> dict:
-    from recipes.local.tiny_model import make_tiny_checkpoint
-    from tests.test_verl_engine import build_engine
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
+    from tests.recipes.test_verl_engine import build_engine
 
     hf_dir = make_tiny_checkpoint(tempfile.mkdtemp(prefix="packed_bench_"), seed=0, **MODEL)
     engines = {

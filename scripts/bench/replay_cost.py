@@ -29,8 +29,8 @@ def build(hf_dir: Path, mode: str):
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    import recipes.dapo.engine  # noqa: F401  (registers the backend)
-    from recipes.dapo.config import McoreEpEngineConfig
+    import recipes.dapo.engine.verl_engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
     engine = EngineRegistry.new(
         model_type="language_model",
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     os.environ.setdefault("VERL_ENGINE_DEVICE", args.device)
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     init_parallel(prepare_device(args.device), seed=0)
     hf_dir = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", seed=0)

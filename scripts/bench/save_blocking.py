@@ -2,7 +2,7 @@
 
 One mcore_ep engine (world size 1) on the tiny model widened (--hidden, --layers, --experts),
 with its distributed optimizer; saves of the model and optimizer state alternate between
-verl's `checkpoint.async_save` on and off (recipes.dapo.saving), after warm-up saves of
+verl's `checkpoint.async_save` on and off (recipes.dapo.checkpoints.async_save), after warm-up saves of
 each (the save plan is cached in both):
 - in place: save_checkpoint returns once the files are written, hashed and sealed;
 - background: save_checkpoint returns once the writer has started, and the step then polls
@@ -35,8 +35,8 @@ def build(hf_dir: Path):
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    import recipes.dapo.engine  # noqa: F401  (registers the backend)
-    from recipes.dapo.config import McoreEpEngineConfig
+    import recipes.dapo.engine.verl_engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
     engine = EngineRegistry.new(
         model_type="language_model",
@@ -54,7 +54,7 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
     """One save; its blocked seconds (the call, and the polls until sealed)."""
     from verl.trainer.config import CheckpointConfig
 
-    from recipes.dapo.ckpt_layout import is_complete
+    from recipes.dapo.checkpoints.files import is_complete
 
     engine.checkpoint_config = CheckpointConfig(async_save=background)
     start = time.perf_counter()
@@ -74,8 +74,8 @@ def timed_save(engine, root: Path, step: int, background: bool, step_s: float) -
 
 
 def run(args) -> dict:
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
 
     init_parallel(prepare_device("cpu"), seed=0)
     with tempfile.TemporaryDirectory(prefix="save_bench_") as work:
@@ -83,7 +83,7 @@ def run(args) -> dict:
 
 
 def _run(args, work: Path) -> dict:
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                  moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers,

@@ -1,5 +1,5 @@
 """Save planning of the model checkpoint at the full shape, for one rank, on CPU: uncached vs
-cached (recipes.dapo.save_plans).
+cached (recipes.dapo.checkpoints.save_plans).
 
 How, without the cluster: every rank's model is built on meta tensors (no memory, no data)
 in torch's `fake` process-group backend joined as that rank (world = the plan's, e.g. 32
@@ -50,8 +50,8 @@ def join_as(rank: int, world: int, tp: int, ep: int, etp: int = 1) -> None:
 def meta_model(spec):
     import torch
 
-    from backend.distributed import current_groups
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
+    from backend.training.distributed import current_groups
 
     opts = BuildOptions(device="cpu", dtype=torch.bfloat16, spec="local", experts="grouped",
                         attention="sdpa", init_weights=False)  # fmt: skip
@@ -91,7 +91,7 @@ def measure(args) -> dict:
     from megatron.core.dist_checkpointing.validation import validate_sharding_integrity
 
     from parallel.models import TINY_QWEN3_MOE, load_spec
-    from recipes.dapo.save_plans import structure_fingerprint
+    from recipes.dapo.checkpoints.save_plans import structure_fingerprint
 
     spec = load_spec(None) if args.model == "full" else _tiny_spec(TINY_QWEN3_MOE)
     metadata, plans, build_s = [None] * args.world, [None] * args.world, 0.0
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     doc = measure(args)

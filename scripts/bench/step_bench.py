@@ -3,7 +3,7 @@
 All systems run in one process, one after another, on the same shape; a system that fails
 (not built yet, out of memory, no kernel for this device) has its error recorded in the JSON
 and the run goes on:
-- ours: backend.model.build_model with spec "local", our grouped-GEMM experts and SDPA core
+- ours: backend.model.build.build_model with spec "local", our grouped-GEMM experts and SDPA core
   attention (BuildOptions experts="grouped", attention="sdpa"),
 - mcore-local: the same builder with megatron-core's SequentialMLP experts and its unfused
   DotProductAttention (experts="sequential", attention="local"; plain spec="local" on a
@@ -154,7 +154,7 @@ def env_info(device: str) -> dict:
 
 def mcore_options(name: str, device: str, dtype: torch.dtype):
     """BuildOptions for `ours` / `mcore-local` (raises TypeError while the fields are missing)."""
-    from backend.model import BuildOptions
+    from backend.model.build import BuildOptions
 
     base = dict(device=device, dtype=dtype, spec="local")
     if name == "ours":
@@ -169,8 +169,8 @@ def build_mcore(name: str, ctx: dict):
     """(model, step, build options) for an mcore system; step runs forward + backward."""
     if ctx["mcore_error"]:
         raise RuntimeError(ctx["mcore_error"])
-    from backend.forward import forward_logits, token_log_probs
-    from backend.model import build_model
+    from backend.model.build import build_model
+    from backend.model.forward import forward_logits, token_log_probs
 
     opts = mcore_options(name, ctx["device"], ctx["dtype"])
     model = build_model(ctx["spec"], ctx["groups"], opts)
@@ -258,14 +258,14 @@ def free_memory(device: str) -> None:
 
 def setup(args, systems: list[str]) -> dict:
     """Device, process groups (mcore only), spec, shape and the batch of token ids."""
-    from backend.device import prepare_device, resolve_device
+    from backend.platform.device import prepare_device, resolve_device
     from backend.qwen3_moe import load_qwen3_moe_spec
 
     device = resolve_device(args.device)
     groups, mcore_error = None, None
     if any(s in MCORE_SYSTEMS for s in systems):
         try:  # a missing megatron-core fails the mcore systems only
-            from backend.distributed import init_parallel
+            from backend.training.distributed import init_parallel
 
             groups = init_parallel(prepare_device(device))
         except Exception as err:

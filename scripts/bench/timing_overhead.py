@@ -1,4 +1,4 @@
-"""Overhead of backend.timing.StepTimer sections + backend.dispatch_timing.MoEDispatchTimer on a forward + backward step.
+"""Overhead of backend.instruments.timing.StepTimer sections + backend.instruments.dispatch_timing.MoEDispatchTimer on a forward + backward step.
 
 Three modes, interleaved in rotating order within one process (same model, same batch):
 - off:      no timer, dispatchers as built;
@@ -52,8 +52,8 @@ def run_step(mode, model, timer, ids_BS, mask_BS, sync, clock) -> float:
 
 def measure(model, device, ids_BS, mask_BS, repeats, warmup, sync) -> dict[str, list[float]]:
     clock = time.process_time if device == "cpu" else time.perf_counter
-    from backend.dispatch_timing import MoEDispatchTimer
-    from backend.timing import StepTimer
+    from backend.instruments.dispatch_timing import MoEDispatchTimer
+    from backend.instruments.timing import StepTimer
 
     timer = StepTimer(device)
     times = {mode: [] for mode in MODES}
@@ -81,7 +81,7 @@ def summarise(times: dict[str, list[float]]) -> dict:
 
 
 def main(argv=None) -> dict:
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     args = parse_args(argv)
     device = prepare_device(args.device)

@@ -1,4 +1,4 @@
-"""The reference actor (tests/reference_actor.py): synced, clipped gradients and their norm
+"""The reference actor (tests/support/reference_actor.py): synced, clipped gradients and their norm
 agree across micro-batch splits, plans and torch.
 
 Gradients are compared after the step (train_step leaves them in .grad): Adam's first update
@@ -8,14 +8,14 @@ is lr * sign(g) for tiny g, so comparing updated parameters would test rounding 
 import pytest
 import torch
 
-from backend.forward import next_token_log_probs
-from backend.model import build_model
+from backend.model.build import build_model
+from backend.model.forward import next_token_log_probs
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model
-from tests.multiproc import run_ranks
-from tests.parallel_ranks import global_batch, nll_token_mean, run_actor_step
-from tests.reference_actor import McoreActor, OptimConfig
+from tests.support.multiproc import run_ranks
+from tests.support.parallel_ranks import global_batch, nll_token_mean, run_actor_step
+from tests.support.reference_actor import McoreActor, OptimConfig
 
 MAX_NORM = 0.5
 

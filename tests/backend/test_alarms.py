@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend.instruments.router_tap import RouterCall
 from backend.monitor import ExpertLoadMonitor
 from backend.monitor.alarms import AlarmRules, HealthAlarms
-from backend.router_tap import RouterCall
 from parallel.models import TINY_QWEN3_MOE
-from recipes.dapo.console import step_line
-from recipes.local.overrides import TOY_ALARMS
+from recipes.dapo.console.screen import step_line
+from recipes.local.cpu_overrides import TOY_ALARMS
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-STREAM = Path(__file__).parent / "data" / "dapo_cpu_metrics.jsonl"
+STREAM = Path(__file__).parents[1] / "data" / "dapo_cpu_metrics.jsonl"
 VAL = "val-aux/math_dapo/reward/mean@8"
 TINY_SHAPE = {  # what the monitor publishes for the tiny model
     "actor/moe/num_experts": float(TINY_QWEN3_MOE["num_experts"]),
@@ -77,7 +77,7 @@ def test_the_recorded_main_job_fires_its_concentrated_routing_only():
 
 
 def test_the_default_floor_calls_the_toy_tasks_deterministic_answers_a_collapse():
-    """Why the CPU run sets its own policy-entropy rules (recipes.local.overrides.TOY_ALARMS):
+    """Why the CPU run sets its own policy-entropy rules (recipes.local.cpu_overrides.TOY_ALARMS):
     its solved policy answers one digit, near deterministically. Its routing rules are the
     defaults."""
     assert fired(replay(rules=AlarmRules())) == [

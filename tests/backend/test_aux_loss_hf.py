@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend.aux_loss import hf_aux_loss
-from tests.test_aux_loss_hook import (
+from tests.backend.test_aux_loss_hook import (
     BATCH,
     _tiny_mcore,
     aux_step,

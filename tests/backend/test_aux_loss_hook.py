@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from backend.aux_loss import AuxLossConfig, mcore_aux_loss
-from backend.forward import next_token_log_probs
-from backend.router_tap import RouterTap
+from backend.instruments.router_tap import RouterTap
+from backend.model.forward import next_token_log_probs
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -137,7 +137,7 @@ def one_thread():
 
 
 def _tiny_mcore(groups, hf_dir, recompute=False):
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_into_model
@@ -287,7 +287,7 @@ def test_tokens_fed_must_match_start_step(model, world1, data):
         tap.remove()
 
 
-# ---- two gloo ranks: DP (summed by tests/reference_actor.py) and TP with sequence parallel ----
+# ---- two gloo ranks: DP (summed by tests/support/reference_actor.py) and TP with sequence parallel ----
 
 PLANS = {  # tp, etp, each DP rank's micro-batch split, the same split seen from world size 1
     "dp2": (1, 1, ([1, 3], [2, 2]), [1, 3, 2, 2]),
@@ -296,9 +296,9 @@ PLANS = {  # tp, etp, each DP rank's micro-batch split, the same split seen from
 
 
 def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
-    from backend.device import prepare_device
-    from tests.multiproc import loaded_model
-    from tests.reference_actor import sync_grads
+    from backend.platform.device import prepare_device
+    from tests.support.multiproc import loaded_model
+    from tests.support.reference_actor import sync_grads
 
     tp, etp, splits, _ = PLANS[plan]
     prepare_device("cpu")
@@ -323,7 +323,7 @@ def plan_rank(rank: int, hf_dir: str, plan: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS)
 def test_two_ranks_match_one(model, world1, data, tiny_hf_dir, plan):
-    from tests.multiproc import run_ranks
+    from tests.support.multiproc import run_ranks
 
     results = run_ranks(plan_rank, 2, str(tiny_hf_dir), plan)
     ids, attention, response = data

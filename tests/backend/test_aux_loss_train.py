@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from backend.aux_loss import AuxLossConfig
-from backend.forward import next_token_log_probs
-from backend.router_tap import RouterTap
-from tests.test_aux_loss_hook import (
+from backend.instruments.router_tap import RouterTap
+from backend.model.forward import next_token_log_probs
+from tests.backend.test_aux_loss_hook import (
     _tiny_mcore,
     aux_step,
     one_thread,  # noqa: F401 (autouse fixture)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.cli_contract import BROKEN_PIPE, run_cli
-from recipes.dapo import cluster
+from backend.shared.cli_contract import BROKEN_PIPE, run_cli
+from recipes.dapo.cluster import ray_job as cluster
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sigterm_during_a_run_is_one_line_and_143_and_cleanup_runs(capsys):

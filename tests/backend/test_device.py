@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from backend.device import DeviceError, prepare_device, resolve_device
-from backend.mcore_shims import SHIMS, TESTED_RELEASES, apply_shims
-from backend.optional import MissingDependencyError, available
+from backend.platform.device import DeviceError, prepare_device, resolve_device
+from backend.platform.mcore_shims import SHIMS, TESTED_RELEASES, apply_shims
+from backend.platform.optional import MissingDependencyError, available
 
 
 @pytest.mark.skipif(available("torch_npu"), reason="torch_npu is installed here")

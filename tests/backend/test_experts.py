@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.grouped_gemm import grouped_linear, resolve_impl
-from backend.model import BuildOptions, build_model
+from backend.model.build import BuildOptions, build_model
+from backend.model.grouped_gemm import grouped_linear, resolve_impl
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.sharding import expanded_parameters
-from recipes.local.tiny_model import tiny_config
-from tests.torch_features import needs_grouped_mm
+from recipes.local.task.hf_checkpoints import tiny_config
+from tests.support.torch_features import needs_grouped_mm
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -75,8 +75,8 @@ def test_default_modules_by_device(world1, spec):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from backend.attention import SDPAttention
-    from backend.experts import GroupedExperts
+    from backend.model.attention import SDPAttention
+    from backend.model.experts import GroupedExperts
 
     layer = build_model(spec, world1).decoder.layers[0]
     assert isinstance(layer.mlp.experts, SequentialMLP)
@@ -92,7 +92,7 @@ def test_default_modules_by_device(world1, spec):
 def test_outputs_and_gradients_match_megatron_modules(pair, spec):
     reference, ours = pair
     ids = torch.randint(0, spec.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
-    from backend.forward import forward_logits
+    from backend.model.forward import forward_logits
 
     losses = []
     for model in pair:
@@ -123,9 +123,9 @@ def test_sdpa_attention_matches_dot_product_attention(pair):
     mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1)[None, None]
     expected = ref_attn(q, k, v, mask)
     torch.testing.assert_close(our_attn(q, k, v, mask), expected, rtol=0, atol=1e-6)
-    # no mask on a causal layer, or backend.forward's own causal mask: SDPA's is_causal path
+    # no mask on a causal layer, or backend.model.forward's own causal mask: SDPA's is_causal path
     # (flash on GPUs), which keeps no [s, s] mask for backward, gives the same
-    from backend.forward import causal_mask, is_causal_mask
+    from backend.model.forward import causal_mask, is_causal_mask
 
     torch.testing.assert_close(our_attn(q, k, v, None), expected, rtol=0, atol=1e-6)
     assert is_causal_mask(causal_mask(q.shape[0])) and not is_causal_mask(mask)
@@ -139,7 +139,7 @@ def test_sdpa_attention_matches_dot_product_attention(pair):
 
 
 def test_sdpa_attention_takes_thd_packed_sequences_only(pair):
-    """Packed sequences in thd (tests/test_packed.py); other packed layouts are refused."""
+    """Packed sequences in thd (tests/recipes/test_packed.py); other packed layouts are refused."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     q, k, v = _attention_inputs(d=pair[1].config.kv_channels)
@@ -206,7 +206,7 @@ def test_dist_checkpoint_interchange(world1, spec, tmp_path, direction):
 
 
 def test_bad_expert_settings(world1, spec):
-    from backend.experts import GroupedExperts
+    from backend.model.experts import GroupedExperts
 
     model = build_model(spec, world1, FAST)
     config = model.config
@@ -258,8 +258,8 @@ class _ReferenceTorchNpu:
 def test_npu_paths_against_reference_kernels(monkeypatch, pair):
     import sys
 
-    from backend.forward import causal_mask
-    from backend.grouped_gemm import _NpuGroupedLinear
+    from backend.model.forward import causal_mask
+    from backend.model.grouped_gemm import _NpuGroupedLinear
 
     monkeypatch.setitem(sys.modules, "torch_npu", _ReferenceTorchNpu())
     counts = torch.tensor([3, 0, 5, 1])

@@ -1,4 +1,4 @@
-"""The opt-in loss guards (backend.guards, recipes.dapo.guards) on the tiny Qwen3-MoE, through
+"""The opt-in loss guards (backend.training.loss_guards, recipes.dapo.engine.update_guards) on the tiny Qwen3-MoE, through
 the engine's verl interface (CPU, fp32): the entropy floor's bonus and the adaptive KL term
 are added to verl's loss, their coefficients move as stated and are logged every step."""
 
@@ -11,14 +11,14 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import response_from_nested
 
-from backend.guards import (
+from backend.training.loss_guards import (
     AdaptiveKL,
     AdaptiveKLConfig,
     EntropyFloor,
     EntropyFloorConfig,
     GuardConfigError,
 )
-from tests.test_verl_engine import build_engine, dapo_actor_config
+from tests.recipes.test_verl_engine import build_engine, dapo_actor_config
 
 FLOOR = 3.0  # nats; the tiny model starts near log(128) = 4.85
 TOLERANCE = 0.1  # of the floor, once the entropy first reached it
@@ -134,7 +134,7 @@ def test_the_kl_guard_needs_the_reference_and_owns_the_coefficient(engine_for):
     with pytest.raises(GuardConfigError, match="use_kl_loss=True") as err:
         train(engine, 1)
     assert "\n" not in str(err.value)
-    from recipes.dapo.config import McoreEpActorConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig
 
     verl_kl = McoreEpActorConfig(rollout_n=1, use_dynamic_bsz=True, loss_agg_mode="token-mean",
                                  use_kl_loss=True, kl_loss_coef=0.1)  # fmt: skip
@@ -168,7 +168,7 @@ def test_the_kl_coefficient_stays_within_its_bounds():
      ({"kl": {"enable": True, "low": 0.1, "high": 0.05}}, "must be below high")],
 )  # fmt: skip
 def test_guard_settings_that_cannot_work_are_refused_in_one_line(guards, needle):
-    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+    from recipes.dapo.engine.config import EngineConfigError, McoreEpEngineConfig
 
     with pytest.raises(EngineConfigError) as err:
         McoreEpEngineConfig(guards=guards)

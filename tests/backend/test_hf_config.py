@@ -7,7 +7,7 @@ import pytest
 
 from backend.qwen3_moe import ConfigError, load_qwen3_moe_spec
 from parallel.models import TINY_QWEN3_MOE
-from recipes.local.tiny_model import tiny_config
+from recipes.local.task.hf_checkpoints import tiny_config
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

@@ -1,10 +1,10 @@
 """The router instruments' aux-loss gradient scale, derived from the optimizer's declared DP
-reduction (backend.instruments.aux_grad_scale)."""
+reduction (backend.instruments.router_instruments.aux_grad_scale)."""
 
 import pytest
 
-from backend import optim
-from backend.instruments import DP_REDUCTIONS, aux_grad_scale
+from backend.instruments.router_instruments import DP_REDUCTIONS, aux_grad_scale
+from backend.training import optim
 
 
 def test_scale_undoes_a_mean_and_leaves_a_sum():

@@ -1,15 +1,15 @@
-"""Lean log-prob heads (backend.lean_head) equal the full-logits heads: forward within 1e-6,
+"""Lean log-prob heads (backend.model.lean_head) equal the full-logits heads: forward within 1e-6,
 gradients (hidden states, output weight, every parameter) within rtol 1e-5; fp32 CPU, world 1
 and tp2 (sequence parallel), temperature 1 / scalar / per row, entropy on and off."""
 
 import pytest
 import torch
 
-from backend.forward import token_log_probs
-from backend.lean_head import lean_log_probs
-from recipes.dapo.heads import vocab_parallel_entropy
-from tests.lean_head_ranks import compare_heads, run_tp
-from tests.multiproc import run_plans
+from backend.model.forward import token_log_probs
+from backend.model.lean_head import lean_log_probs
+from recipes.dapo.engine.logprobs import vocab_parallel_entropy
+from tests.support.lean_head_ranks import compare_heads, run_tp
+from tests.support.multiproc import run_plans
 
 TEMPERATURES = ["one", "scalar", "rows"]
 
@@ -75,7 +75,7 @@ def test_no_grad_pass_keeps_nothing(world1):
 
 @pytest.fixture(scope="module")
 def tiny_model(world1, tiny_hf_dir):
-    from backend.model import build_model
+    from backend.model.build import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
@@ -89,8 +89,8 @@ def tiny_model(world1, tiny_hf_dir):
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_model_heads_match_world1(tiny_model, monkeypatch, temperature, entropy):
-    import backend.lean_head as lean_head
-    from tests.lean_head_ranks import temperatures
+    import backend.model.lean_head as lean_head
+    from tests.support.lean_head_ranks import temperatures
 
     monkeypatch.setattr(lean_head, "CHUNK_BYTES", lean_head.CHUNK_BYTES)  # restored after
     model, vocab = tiny_model

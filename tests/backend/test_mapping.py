@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from backend.model.weight_mappings import fuse_qkv, split_qkv
 from backend.qwen3_moe import fuse_experts, load_qwen3_moe_spec, unfuse_experts
-from backend.weight_mappings import fuse_qkv, split_qkv
 from converters.hf_io import CheckpointError, read_state_dict
 from converters.table import ExpertSlice, MappingError, hf_to_mcore, mcore_to_hf
 

@@ -1,10 +1,10 @@
 """The mini Qwen3-MoE (Qwen3-30B-A3B's routing: 128 experts, top-8 renormalised; GQA 8:1 with
 qk-norm) against transformers' Qwen3MoeForCausalLM on the same weights, fp32: world 1 and the
 plans tp2, ep2, pp2 (2 ranks) and ep4, tp2xep2 (4 ranks), each plan's world in one start of
-its ranks (tests.multiproc.run_plans).
+its ranks (tests.support.multiproc.run_plans).
 
 Per plan: logits within 1e-5 of transformers', and the same 8 experts for every token in every
-layer (megatron-core's routing maps from backend.router_tap against the indices transformers'
+layer (megatron-core's routing maps from backend.instruments.router_tap against the indices transformers'
 router returns). Catches what the tiny model's 8 experts / top-2 cannot show: a top-k or an
 expert-to-rank map that is right only for few experts (a local-expert offset off under ep4, a
 token's 8 experts split over ranks and recombined out of order, the wrong experts' weights
@@ -22,15 +22,15 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.mcore_release import MCORE_RELEASE
-from tests.parallel_ranks import SEQ, experts_chosen_SBK, global_batch, routed_plan
+from tests.support.mcore_release import MCORE_RELEASE
+from tests.support.parallel_ranks import SEQ, experts_chosen_SBK, global_batch, routed_plan
 
 pytestmark = pytest.mark.mcore_compat
 ATOL = 1e-5
 TIE = 1e-7  # 8th / 9th router probabilities closer than this: the experts are not compared
 
 # (tp, ep, pp, etp) per plan. megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1
-# (tests/test_parallel_parity.py checks it refuses): it runs tp2-etp2 instead (TP alone there).
+# (tests/backend/test_parallel_parity.py checks it refuses): it runs tp2-etp2 instead (TP alone there).
 WORLD2 = {"tp2": (2, 1, 1, 1), "tp2-etp2": (2, 1, 1, 2), "ep2": (1, 2, 1, 1), "pp2": (1, 1, 2, 1)}
 WORLD4 = {"ep4": (1, 4, 1, 1), "tp2xep2": (2, 2, 1, 1)}
 TP_ALONE_REFUSED = MCORE_RELEASE < Version("0.13")
@@ -77,10 +77,10 @@ def _check(name, logits, experts, reference):
 
 
 def test_world1_matches_transformers(world1, mini_hf_dir, reference):
-    from backend.forward import forward_logits
-    from backend.model import build_model
+    from backend.instruments.router_tap import RouterTap
+    from backend.model.build import build_model
+    from backend.model.forward import forward_logits
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from backend.router_tap import RouterTap
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_into_model
 
@@ -106,7 +106,7 @@ def test_world1_matches_transformers(world1, mini_hf_dir, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("world, plans", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
 def test_plans_match_transformers(mini_hf_dir, reference, world, plans):
-    from tests.multiproc import run_plans
+    from tests.support.multiproc import run_plans
 
     skip = "tp2" if TP_ALONE_REFUSED else "tp2-etp2"
     plans = {name: plan for name, plan in plans.items() if name != skip}

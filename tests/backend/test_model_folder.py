@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.families import ConfigError, family, family_of, load_spec, model_types
-from backend.model import BuildOptions, build_model
+from backend.model.build import BuildOptions, build_model
+from backend.model.families import ConfigError, family, family_of, load_spec, model_types
+from backend.model.weight_mappings import GatedMLPMapping, QKVMapping
 from backend.qwen3_moe import FAMILY, Qwen3MoeSpec
-from backend.weight_mappings import GatedMLPMapping, QKVMapping
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model, model_to_hf
 from parallel.params import hf_param_counts, param_counts
 
 pytestmark = pytest.mark.mcore_compat
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Qwen3-235B-A22B's proportions (64 heads over 4 KV heads, 128 experts, top-8), shrunk
 QWEN3_235B_A22B_LIKE = dict(
@@ -143,7 +143,7 @@ def test_the_built_model_matches_transformers(world1, big_hf_dir, big_hf_model, 
     hf = read_state_dict(big_hf_dir)
     load_hf_into_model(model, hf, spec)
     _exact(model_to_hf(model, spec), hf)
-    from backend.forward import forward_logits
+    from backend.model.forward import forward_logits
 
     ids = torch.randint(0, spec.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -15,7 +15,7 @@ from backend.monitor.metrics import ep_degrees, hot_share, hottest_experts, over
 from backend.monitor.render import render
 from backend.monitor.render_experts import ep_rows, hottest_line, hottest_section, layer_names
 from backend.monitor.report import build_report, load_report, save_report
-from tests.routing_run import plan_of, skewed_run
+from tests.support.routing_run import plan_of, skewed_run
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from backend.forward import forward_logits, token_log_probs
-from backend.model import BuildOptions, build_model
+from backend.instruments.router_tap import RouterTap
+from backend.model.build import BuildOptions, build_model
+from backend.model.forward import forward_logits, token_log_probs
 from backend.monitor import ExpertLoadMonitor, load_report, tensorboard_writer
 from backend.monitor.cli import main as monitor_cli
 from backend.qwen3_moe import load_qwen3_moe_spec
-from backend.router_tap import RouterTap
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model
 

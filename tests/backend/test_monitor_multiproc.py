@@ -9,16 +9,16 @@ would double count).
 import pytest
 import torch
 
-from tests.multiproc import loaded_model, run_plans
-from tests.test_monitor_model import actor_step, batch, tiny_actor
+from tests.backend.test_monitor_model import actor_step, batch, tiny_actor
+from tests.support.multiproc import loaded_model, run_plans
 
 pytestmark = pytest.mark.slow
 
 
 def rank_counts(rank, hf_dir, tp, ep, etp):
-    from backend.device import prepare_device
+    from backend.instruments.router_tap import RouterTap
     from backend.monitor import ExpertLoadMonitor
-    from backend.router_tap import RouterTap
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep, etp=etp)
@@ -37,8 +37,8 @@ def rank_counts(rank, hf_dir, tp, ep, etp):
 
 @pytest.fixture(scope="module")
 def world1_counts(world1, tiny_hf_dir):
+    from backend.instruments.router_tap import RouterTap
     from backend.monitor import ExpertLoadMonitor
-    from backend.router_tap import RouterTap
 
     spec, model = tiny_actor(world1, tiny_hf_dir)
     tap = RouterTap(model, world1)
@@ -53,7 +53,7 @@ def world1_counts(world1, tiny_hf_dir):
 def _etp(tp: int, ep: int) -> int:
     """1 (the recipe's choice; the router runs before the experts, so etp cannot matter), or
     tp where megatron-core 0.12.1 needs the experts split over TP (ep == 1)."""
-    from backend.compat import check_plan_supported
+    from backend.platform.compat import check_plan_supported
 
     try:
         check_plan_supported(tp, ep, 1)

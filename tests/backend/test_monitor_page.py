@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
+from backend.model.router_replay import agreement_metrics
 from backend.monitor.history import LoadHistory
 from backend.monitor.render import render
 from backend.monitor.report import build_report, load_report, save_report, with_warnings
-from backend.router_replay import agreement_metrics
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -93,7 +93,7 @@ def test_alarms_join_the_reports_warnings_once_in_step_order():
 
 
 def test_the_run_report_takes_the_launchers_alarms(tmp_path):
-    from recipes.dapo.health import routing_report
+    from recipes.dapo.console.health_report import routing_report
 
     moe = trainer_run(tmp_path / "moe_report.json")
     (tmp_path / "alarms.jsonl").write_text(json.dumps(ALARM) + "\n" + '{"torn": ')

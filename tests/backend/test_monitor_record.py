@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from backend.instruments.router_tap import RouterCall
 from backend.monitor import ExpertLoadMonitor
-from backend.router_tap import RouterCall
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

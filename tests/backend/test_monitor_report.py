@@ -72,15 +72,15 @@ def test_render_writes_html_and_images(tmp_path, capsys):
 
 
 def test_outputs_one_writer_and_dead_runs_temp_dirs_removed(tmp_path, capsys):
-    """render and compare share backend.atomic_outputs' lock and pid-named temp dirs."""
+    """render and compare share backend.shared.atomic_outputs' lock and pid-named temp dirs."""
     import os
 
-    from backend.atomic_outputs import output_lock
     from backend.monitor.compare import Side, Thresholds, compare
     from backend.monitor.compare_render import render_compare
     from backend.monitor.render import render
     from backend.monitor.report import ReportError
-    from tests.bad_inputs import dead_pid
+    from backend.shared.atomic_outputs import output_lock
+    from tests.support.bad_inputs import dead_pid
 
     a = _write(tmp_path / "a.json", [BALANCED_LE, _collapsed_LE(2)])
     stale = tmp_path / f".cmp.tmp-{dead_pid()}-0badc0de"  # a compare killed by SIGKILL
@@ -207,7 +207,7 @@ def test_damaged_report_rejected(tmp_path, capsys, damage):
 
 
 def _write_with_agreement(path, agreement_L_per_step):
-    from backend.router_replay import agreement_metrics
+    from backend.model.router_replay import agreement_metrics
 
     history = LoadHistory(("update",), LAYERS, EXPERTS, 1, 2)
     for step, agreement_L in enumerate(agreement_L_per_step):

@@ -8,10 +8,10 @@ import textwrap
 import pytest
 import torch
 
-from backend.forward import causal_mask, forward_logits, is_causal_mask
-from backend.model import BuildOptions, build_model
+from backend.model.build import BuildOptions, build_model
+from backend.model.forward import causal_mask, forward_logits, is_causal_mask
 from backend.qwen3_moe import load_qwen3_moe_spec
-from recipes.local.tiny_model import tiny_config
+from recipes.local.task.hf_checkpoints import tiny_config
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -26,7 +26,7 @@ def test_a_detached_alias_of_the_causal_mask_is_recognised():
 def test_causal_attention_without_a_mask_through_recompute(world1, monkeypatch):
     """With full recompute the layers run twice (forward, replay in backward): both must take
     the causal kernel path, never an explicit [s, s] mask (2x the attention work on Ascend)."""
-    import backend.attention as attention
+    import backend.model.attention as attention
 
     calls = []
     sdpa = attention.F.scaled_dot_product_attention
@@ -55,7 +55,7 @@ def test_npu_shims_leave_no_torch_compile_in_megatron():
         import torch
         from torch._dynamo.utils import counters
         from megatron.core.fusions import fused_bias_swiglu as f
-        from backend.mcore_shims import apply_shims, compiled_functions
+        from backend.platform.mcore_shims import apply_shims, compiled_functions
 
         assert "megatron.core.fusions.fused_bias_swiglu.weighted_swiglu" in compiled_functions()
         apply_shims("npu")

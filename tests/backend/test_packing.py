@@ -1,11 +1,11 @@
-"""backend.packing (verl-free) builds the packed row layout exactly as the engine's
+"""backend.model.packing (verl-free) builds the packed row layout exactly as the engine's
 recipes/dapo/batches.packed_micro_batch does from a verl batch: cu_seqlens (with the tp tail),
 PackedSeqParams, the packed ids and the has-next mask."""
 
 import pytest
 import torch
 
-from backend.packing import packed_layout
+from backend.model.packing import packed_layout
 
 LENGTH_SETS = [  # (lengths, tp): with and without a tail, one sequence, tp 1
     ([5, 7, 3], 1),
@@ -24,7 +24,7 @@ def _verl_batch(seqs):
 
 @pytest.mark.parametrize("lengths,tp", LENGTH_SETS)
 def test_layout_matches_the_engines_packed_micro_batch(lengths, tp):
-    from recipes.dapo.batches import packed_micro_batch
+    from recipes.dapo.engine.batches import packed_micro_batch
 
     gen = torch.Generator().manual_seed(len(lengths) * 31 + tp)
     seqs = [torch.randint(1, 100, (n,), generator=gen) for n in lengths]

@@ -4,14 +4,14 @@ import pytest
 import torch
 from packaging.version import Version
 
-from backend.forward import forward_logits, token_log_probs
-from backend.model import build_model
+from backend.model.build import build_model
+from backend.model.forward import forward_logits, token_log_probs
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model
-from tests.mcore_release import MCORE_RELEASE
-from tests.multiproc import run_plans, run_ranks
-from tests.parallel_ranks import BATCH, SEQ, global_batch, run_plan
+from tests.support.mcore_release import MCORE_RELEASE
+from tests.support.multiproc import run_plans, run_ranks
+from tests.support.parallel_ranks import BATCH, SEQ, global_batch, run_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore_compat]
 
@@ -30,7 +30,7 @@ def reference(world1, tiny_hf_dir):
 
 
 # (tp, ep, pp, etp, fast, untagged_norms) per plan; each world's plans run in one spawn of its
-# ranks (tests.multiproc.run_plans). tp2xep2 on 4 ranks: attention tp2 x dp2, experts ep2 x edp2
+# ranks (tests.support.multiproc.run_plans). tp2xep2 on 4 ranks: attention tp2 x dp2, experts ep2 x edp2
 # (MoE parallel folding). "fast": GroupedExperts + SDPAttention against the same world-1
 # reference. "untagged-norms": norms that do not tag their weights sequence_parallel (a device's
 # own, as on Ascend): build_model tags them, so their gradients still sum over TP. It patches

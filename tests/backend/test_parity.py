@@ -9,13 +9,13 @@ tied to the other value of norm_topk_prob) fails the logits, log-probs and gradi
 import pytest
 import torch
 
-from backend.forward import forward_logits, next_token_log_probs
-from backend.model import BuildOptions, build_model
+from backend.model.build import BuildOptions, build_model
+from backend.model.forward import forward_logits, next_token_log_probs
 from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from converters.hf_io import read_state_dict
 from converters.sharding import expanded_parameters, load_hf_into_model
 from converters.table import mcore_to_hf
-from tests.torch_features import needs_grouped_mm
+from tests.support.torch_features import needs_grouped_mm
 
 pytestmark = pytest.mark.mcore_compat
 ATOL = 1e-5
@@ -36,7 +36,7 @@ def checkpoint(request, tiny_hf_dir, tiny_hf_model, tmp_path_factory):
     else:
         from transformers import Qwen3MoeForCausalLM
 
-        from recipes.local.tiny_model import make_tiny_checkpoint
+        from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
         hf_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("no_norm"), norm_topk_prob=False)
         model = Qwen3MoeForCausalLM.from_pretrained(
@@ -117,7 +117,7 @@ def test_gradients_match_transformers(mcore_model, hf_model, batch, hf_dir):
 
 def test_routing_matches_transformers(mcore_model, hf_model, batch):
     """Same experts chosen per token in every layer (softmax, top-k, renormalised)."""
-    from backend.router_tap import RouterTap
+    from backend.instruments.router_tap import RouterTap
 
     chosen = {}
     tap = RouterTap(mcore_model, None)

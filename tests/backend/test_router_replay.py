@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.test_verl_engine import build_engine, make_batch
+from tests.recipes.test_verl_engine import build_engine, make_batch
 
 E, K, LAYERS = 8, 2, 2  # tiny model: experts, top-k, layers
 LAST = 127  # id of every row's last token (the rollout never feeds it)
@@ -105,7 +105,7 @@ class Watch:
 
 def forced_mismatches(watch: Watch) -> tuple[int, int, int]:
     """(tokens checked, tokens not on forced_experts, recompute calls) over real, fed tokens."""
-    from backend.router_replay import indices_to_map_TE
+    from backend.model.router_replay import indices_to_map_TE
 
     checked = wrong = recomputes = 0
     for c in watch.calls:
@@ -121,7 +121,7 @@ def forced_mismatches(watch: Watch) -> tuple[int, int, int]:
 def fed_router_tokens(recompute: bool = False) -> int:
     """Router-call tokens one DP replica's marked_batch feeds a pass: every row but its last
     token (LENGTHS), in each layer; with full recompute the update's replays again."""
-    from tests.test_verl_engine import LENGTHS
+    from tests.recipes.test_verl_engine import LENGTHS
 
     return LAYERS * sum(p + r - 1 for p, r in LENGTHS) * (2 if recompute else 1)
 
@@ -137,7 +137,7 @@ def r3_update_rank(rank, hf_dir, tp, ep, recompute, pp=1, rollout="cpu"):
     import os
 
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     engine = build_engine(hf_dir, tp=tp, ep=ep, recompute=recompute, router_replay="R3",
@@ -239,7 +239,7 @@ def test_vllms_uint8_routes_are_never_copied_wider(engine_of):
 
 
 def test_routes_of_another_model_are_refused_in_one_line(engine_of):
-    from recipes.dapo.batches import BatchError
+    from recipes.dapo.engine.batches import BatchError
 
     engine = engine_of(router_replay="R3")
     data = marked_batch(max_tokens=16)
@@ -389,7 +389,7 @@ def test_rollout_logprob_diff_and_agreement_reach_the_update_metrics_and_report(
     from verl.workers.utils.padding import response_from_nested
 
     from backend.monitor.report import load_report
-    from tests.test_verl_engine import dapo_actor_config
+    from tests.recipes.test_verl_engine import dapo_actor_config
 
     data = marked_batch()
     data["routed_experts"] = _own_routes(engine_of, data)
@@ -449,7 +449,7 @@ def test_monitor_counts_used_experts_and_aux_loss_reads_the_routers_own(engine_o
 
 
 def test_replay_mode_is_validated(engine_of):
-    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+    from recipes.dapo.engine.config import EngineConfigError, McoreEpEngineConfig
 
     with pytest.raises(EngineConfigError, match="router_replay='R4'"):
         McoreEpEngineConfig(router_replay="R4")
@@ -460,7 +460,7 @@ def test_replay_mode_is_validated(engine_of):
 
 
 def test_p99_is_the_nearest_rank_percentile():
-    from recipes.dapo.mismatch import summary
+    from recipes.dapo.engine.mismatch import summary
 
     diffs = torch.cat((torch.zeros(990), torch.ones(10)))  # 1% of the tokens at 1
     assert summary(diffs)["actor/rollout_logprob_abs_diff/p99"] == 0.0

@@ -1,7 +1,7 @@
 """R3 (routing replay) across 2 gloo ranks, token for token, through verl's engine interface:
 the tiny Qwen3-MoE at tp2, ep2, tp2 x ep2 and pp2, and the mini one (Qwen3-30B-A3B's routing:
-128 experts, top-8) at ep2, all in one start of the ranks (tests.multiproc.run_plans: verl's
-import, most of a start, is paid once). tests/test_router_replay.py holds the method (a hook
+128 experts, top-8) at ep2, all in one start of the ranks (tests.support.multiproc.run_plans: verl's
+import, most of a start, is paid once). tests/backend/test_router_replay.py holds the method (a hook
 on GPTModel names each router call's tokens) and the world-1 tests.
 
 At the mini shape the rollout's routes put each token's 8 experts 16 ids apart, 4 on either
@@ -14,9 +14,15 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.mcore_release import MCORE_RELEASE
-from tests.test_router_replay import LAYERS, Watch, fed_router_tokens, r3_update_rank, sum_loss
-from tests.test_verl_engine import LENGTHS, build_engine, make_batch
+from tests.backend.test_router_replay import (
+    LAYERS,
+    Watch,
+    fed_router_tokens,
+    r3_update_rank,
+    sum_loss,
+)
+from tests.recipes.test_verl_engine import LENGTHS, build_engine, make_batch
+from tests.support.mcore_release import MCORE_RELEASE
 
 pytestmark = pytest.mark.slow
 MINI_E, MINI_K, MINI_LAYERS = 128, 8, 4  # parallel.models.MINI_QWEN3_MOE
@@ -25,7 +31,7 @@ MINI_FIRST = 24  # row b starts with MINI_FIRST + b (5 rows: 24..28); other toke
 
 # tiny: (tp, ep, recompute[, pp, rollout]). pp2 without recompute: under 1F1B a backward's
 # recompute follows the next forward, so Watch could not tell whose tokens it routes (the
-# engine's own handling of that: tests/test_pipeline_engine.py). megatron-core 0.12.1 cannot
+# engine's own handling of that: tests/recipes/test_pipeline_engine.py). megatron-core 0.12.1 cannot
 # run tp=2 with ep=1 and etp=1.
 TINY_PLANS = [(2, 1, True), (1, 2, True), (2, 2, True), (1, 1, False, 2, "vllm")]
 if MCORE_RELEASE < Version("0.13"):
@@ -63,7 +69,7 @@ def mini_rollout_routes(data) -> torch.Tensor:
 
 def mini_mismatches(watch: Watch) -> tuple[int, int, int]:
     """(tokens checked, tokens not on mini_forced_experts, recompute calls), real fed tokens."""
-    from backend.router_replay import indices_to_map_TE
+    from backend.model.router_replay import indices_to_map_TE
 
     checked = wrong = recomputes = 0
     for c in watch.calls:
@@ -81,7 +87,7 @@ def r3_mini_rank(rank, hf_dir, ep, recompute):
     import os
 
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     # GroupedExperts + SDPAttention (the accelerators' modules) cost less CPU time here than
@@ -118,7 +124,7 @@ def r3_rank(rank, shape, hf_dir, *plan):
 @pytest.fixture(scope="module")
 def results(tiny_hf_dir, mini_hf_dir):
     """{shape: [(plan, per-rank results)]} of every plan above, from one start of 2 ranks."""
-    from tests.multiproc import run_plans
+    from tests.support.multiproc import run_plans
 
     plans = [("tiny", str(tiny_hf_dir), *p) for p in TINY_PLANS]
     plans += [("mini", str(mini_hf_dir), *p) for p in MINI_PLANS]

@@ -10,7 +10,7 @@ re-routing either part (docs/async_modes.md).
 
 import torch
 
-from tests.test_router_replay import (
+from tests.backend.test_router_replay import (
     FIRST,
     LAST,
     LAYERS,
@@ -20,7 +20,7 @@ from tests.test_router_replay import (
     marked_batch,
     sum_loss,
 )
-from tests.test_verl_engine import LENGTHS, build_engine
+from tests.recipes.test_verl_engine import LENGTHS, build_engine
 
 # fed response tokens generated after the update (every row has more response than that)
 RESUMED = 1
@@ -52,7 +52,7 @@ def test_r3_replays_each_token_the_route_of_the_weights_that_generated_it(
 ):
     """Bug caught: routes of a resumed response replayed shifted (the resumed request's
     prompt rows taken for its new tokens), or all of it re-routed by one set of weights."""
-    from backend.router_replay import indices_to_map_TE
+    from backend.model.router_replay import indices_to_map_TE
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     engine = build_engine(str(tiny_hf_dir), router_replay="R3")

@@ -6,12 +6,12 @@ ones (SequentialMLP, DotProductAttention) with recompute none / selective / full
 import pytest
 import torch
 
-from backend.model import BuildOptions, build_model, transformer_config
+from backend.model.build import BuildOptions, build_model, transformer_config
+from backend.model.recompute import recompute_mode
 from backend.qwen3_moe import load_qwen3_moe_spec
-from backend.recompute import recompute_mode
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model
-from tests.test_monitor_model import actor_step, batch
+from tests.backend.test_monitor_model import actor_step, batch
 
 pytestmark = pytest.mark.mcore_compat
 MODULES = {"ours": dict(experts="grouped", attention="sdpa"), "mcore": {}}
@@ -64,7 +64,7 @@ def test_recompute_choices_and_legacy_bools(world1, tiny_hf_dir):
 
 
 def test_engine_config_takes_the_choice():
-    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+    from recipes.dapo.engine.config import EngineConfigError, McoreEpEngineConfig
 
     for value in ("none", "selective", "full", True, False):
         assert McoreEpEngineConfig(recompute=value).recompute == value

@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
+from backend.instruments.router_tap import RouterCall
 from backend.monitor import ExpertLoadMonitor, SkewGuard, load_report
 from backend.monitor.render import render
-from backend.router_tap import RouterCall
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

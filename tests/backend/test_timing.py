@@ -6,15 +6,15 @@ import time
 import pytest
 import torch
 
-from backend.comm_share import (
+from backend.instruments.comm_share import (
     COMM_SHARE_WARN,
     CommLayout,
     add_steps,
     comm_layout,
     comm_share_warning,
 )
-from backend.dispatch_timing import MoEDispatchTimer
-from backend.timing import StepTimer
+from backend.instruments.dispatch_timing import MoEDispatchTimer
+from backend.instruments.timing import StepTimer
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -130,9 +130,9 @@ def test_misuse_is_refused_and_disabled_timer_is_silent():
 
 
 def _tiny_model(groups):
-    from backend.model import BuildOptions, build_model
+    from backend.model.build import BuildOptions, build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from recipes.local.tiny_model import tiny_config
+    from recipes.local.task.hf_checkpoints import tiny_config
 
     torch.manual_seed(0)
     spec = load_qwen3_moe_spec(tiny_config())
@@ -141,7 +141,7 @@ def _tiny_model(groups):
 
 
 def _train_step(model, optimizer, ids, timer):
-    from backend.forward import forward_logits, token_log_probs
+    from backend.model.forward import forward_logits, token_log_probs
 
     with timer.section("forward_backward"):
         logp = token_log_probs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
@@ -230,9 +230,9 @@ def test_add_steps_sums_the_seconds_and_recomputes_the_share():
 
 
 def test_many_windows_are_resolved_and_an_abandoned_step_is_dropped(monkeypatch):
-    import backend.timing
+    import backend.instruments.timing
 
-    monkeypatch.setattr(backend.timing, "MAX_WINDOWS", 4)
+    monkeypatch.setattr(backend.instruments.timing, "MAX_WINDOWS", 4)
     clock = ManualClock()
     timer = StepTimer(clock=clock)
     for _ in range(10):
@@ -253,7 +253,7 @@ def test_many_windows_are_resolved_and_an_abandoned_step_is_dropped(monkeypatch)
 def _max_rank(rank: int) -> dict:
     import torch.distributed as dist
 
-    from backend.comm_share import max_over_ranks
+    from backend.instruments.comm_share import max_over_ranks
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -265,7 +265,7 @@ def _max_rank(rank: int) -> dict:
 
 
 def test_max_over_ranks_gives_every_rank_the_slowest_values():
-    from tests.multiproc import run_ranks
+    from tests.support.multiproc import run_ranks
 
     expected = {"timing/optimizer_s": 3.0, "timing/step_s": 2.0}
     assert run_ranks(_max_rank, 2) == [expected, expected]

@@ -9,7 +9,7 @@ import torch
 
 from converters.hf_source import HFSource
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():

@@ -65,7 +65,7 @@ def test_transformers_loads_the_export_with_the_same_logits(sharded_hf_dir, tiny
 def test_dist_checkpoint_loads_into_the_mcore_model(world1, tiny_hf_dir, mcore_dir):
     from megatron.core import dist_checkpointing
 
-    from backend.model import build_model
+    from backend.model.build import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.sharding import load_hf_into_model
 
@@ -126,7 +126,7 @@ def test_verl_loads_the_checkpoint_and_its_layout_exports(world1, tiny_hf_dir, m
     pytest.importorskip("verl")
     from megatron.core import dist_checkpointing
 
-    from backend.model import build_model
+    from backend.model.build import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
 
     try:
@@ -332,7 +332,7 @@ def test_cli_process_prints_one_line_without_traceback(tmp_path):
         ],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
         timeout=120,
     )
     assert run.returncode == 2, run.stderr

@@ -11,7 +11,7 @@ import torch
 from converters.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from converters.hf_io import read_state_dict
 from converters.manifest import write_manifest
-from tests.multiproc import job_plan, run_ranks
+from tests.support.multiproc import job_plan, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore_compat]
 
@@ -27,8 +27,8 @@ MODULES = {"mcore-local": False, "grouped-sdpa": True}  # name: our fast modules
 def load_run_save(rank: int, hf_dir: str, ckpt: str, out_root: str, ids: torch.Tensor) -> dict:
     """With either module set, at every plan: load the converted checkpoint, run the batch,
     save back at that plan (to out_root/<modules>-<plan>); the pp=1 plans' full logits."""
-    from backend.device import prepare_device
-    from backend.model import BuildOptions
+    from backend.model.build import BuildOptions
+    from backend.platform.device import prepare_device
     from backend.qwen3_moe import load_qwen3_moe_spec
 
     device = prepare_device("cpu")
@@ -46,10 +46,10 @@ def _load_run_save_at(device, spec, opts, dims, ckpt: str, out: Path, ids, rank:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from backend.distributed import init_parallel
-    from backend.forward import forward_logits
-    from backend.model import build_model
-    from tests.parallel_ranks import _gather_vocab
+    from backend.model.build import build_model
+    from backend.model.forward import forward_logits
+    from backend.training.distributed import init_parallel
+    from tests.support.parallel_ranks import _gather_vocab
 
     tp, ep, pp, etp = dims
     groups = init_parallel(device, job_plan(tp=tp, ep=ep, pp=pp, etp=etp))

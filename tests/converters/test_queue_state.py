@@ -1,5 +1,5 @@
 """verl's async-mode TransferQueue state is vetted by an exact allow-list before verl's plain
-pickle.load (converters.queue_state; the resume check in recipes.dapo.resume)."""
+pickle.load (converters.pickles.queue_state; the resume check in recipes.dapo.checkpoints.resume)."""
 
 import io
 import os
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from converters.hf_io import CheckpointError
-from converters.queue_state import check_legacy_storage, check_queue_state
-from converters.safe_pickle import UnsafeCheckpointError
-from recipes.dapo import resume
+from converters.pickles.queue_state import check_legacy_storage, check_queue_state
+from converters.pickles.safe_pickle import UnsafeCheckpointError
+from recipes.dapo.checkpoints import resume
 
 tq = pytest.importorskip("transfer_queue.controller")
 

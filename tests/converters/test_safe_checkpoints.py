@@ -14,12 +14,16 @@ import pytest
 import torch
 from packaging.version import Version
 
-from backend.compat import mcore_version
+from backend.platform.compat import mcore_version
 from converters import atomic
 from converters.cli import main as converters_main
 from converters.errors import ConversionError
 from converters.manifest import ManifestError, manifest_problems, verify_manifest, write_manifest
-from converters.safe_pickle import UnsafeCheckpointError, check_dist_checkpoint, check_metadata
+from converters.pickles.safe_pickle import (
+    UnsafeCheckpointError,
+    check_dist_checkpoint,
+    check_metadata,
+)
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -99,7 +103,7 @@ def megatron_save(tmp_path_factory, tiny_hf_dir, world1):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from backend.model import build_model
+    from backend.model.build import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
 
     model = build_model(load_qwen3_moe_spec(tiny_hf_dir), world1)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.heads import CHUNK_BYTES, FULL_PASS_BYTES
+from parallel.head_memory import CHUNK_BYTES, FULL_PASS_BYTES
 from parallel.memory import GIB, MemoryOptions, estimate_memory, format_memory
 from parallel.models import load_spec
 from parallel.plan import ParallelPlan, check_against_model
@@ -17,9 +17,9 @@ def _fit(**plan):
 
 
 def test_chunk_size_is_the_lean_heads():
-    import backend.lean_head
+    import backend.model.lean_head
 
-    assert CHUNK_BYTES == backend.lean_head.CHUNK_BYTES
+    assert CHUNK_BYTES == backend.model.lean_head.CHUNK_BYTES
 
 
 def test_log_prob_pass_full_logits_and_lean_at_32k_tokens():
@@ -50,7 +50,7 @@ def test_update_row_follows_the_head_choice():
 
 
 def test_planner_and_dry_run_print_the_log_prob_pass():
-    from recipes.dapo.fit import fit_rollout
+    from recipes.dapo.job.fit import fit_rollout
 
     fit = _fit(tp=4, ep=8, nodes=4)
     text = format_memory(estimate_memory(fit, MemoryOptions(64.0)), 1)

@@ -11,7 +11,7 @@ from parallel.memory import DEVICE_MEMORY_GIB, MemoryOptions, estimate_memory
 from parallel.models import QWEN3_30B_A3B, load_spec
 from parallel.params import device_params, hf_param_counts, param_counts
 from parallel.plan import ParallelPlan, check_against_model
-from tests.torch_features import needs_cpu_flash_gqa
+from tests.support.torch_features import needs_cpu_flash_gqa
 
 QWEN = load_spec()
 
@@ -138,7 +138,7 @@ def older_local_modules_bytes(tokens: int, ours: bool) -> int:
     without selective recompute); 0 for ours and on 0.16.1."""
     from packaging.version import Version
 
-    from backend.compat import mcore_version
+    from backend.platform.compat import mcore_version
     from parallel.models import TINY_QWEN3_MOE
 
     if ours or mcore_version() >= Version("0.13"):

@@ -20,7 +20,7 @@ from parallel.cli import main
 from parallel.memory import MemoryOptions, estimate_memory, least_recompute
 from parallel.models import load_spec
 from parallel.plan import ParallelPlan, check_against_model
-from tests.torch_features import needs_cpu_flash_gqa
+from tests.support.torch_features import needs_cpu_flash_gqa
 
 QWEN = load_spec()
 TOKENS = 8192
@@ -160,11 +160,11 @@ def test_selective_recompute_keeps_what_the_formula_says_measured(world1, tokens
     """The tiny model's decoder layers under selective recompute keep, for backward, the bytes
     parallel.activations estimates (measured by parallel.measure), and drop against none what
     it says they drop; the comparisons above restate the formula, this one measures. Catches
-    a layer keeping more than the formula knows (backend/experts.py handing fc2 a copy of the
+    a layer keeping more than the formula knows (backend/model/experts.py handing fc2 a copy of the
     SwiGLU output, `act_TF.clone()`: the checkpoint frees the original, fc2 keeps the copy;
     numerics and replays unchanged)."""
     from parallel.measure import check_tiny_activations
-    from tests.test_memory_model import older_local_modules_bytes
+    from tests.parallel.test_memory_model import older_local_modules_bytes
 
     none = check_tiny_activations(world1, tokens, ours=ours)
     selective = check_tiny_activations(world1, tokens, ours=ours, recompute="selective")

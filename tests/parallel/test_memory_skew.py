@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend.common import DEFAULT_EP_SKEW
 from backend.monitor.history import LoadHistory
 from backend.monitor.report import ReportError, build_report, save_report
+from backend.shared.names import DEFAULT_EP_SKEW
 from parallel.activations import (
     ACCELERATOR_KERNELS,
     attention_side_bytes_per_token,

@@ -7,9 +7,9 @@ import pytest
 from backend.qwen3_moe import load_qwen3_moe_spec
 from parallel.activations import OURS_ON_CPU_KERNELS, layer_activation_bytes
 from parallel.plan import ParallelPlan
-from recipes.local.tiny_model import tiny_config
-from tests.multiproc import run_ranks
-from tests.skew_ranks import TOKENS, skewed_and_balanced
+from recipes.local.task.hf_checkpoints import tiny_config
+from tests.support.multiproc import run_ranks
+from tests.support.skew_ranks import TOKENS, skewed_and_balanced
 
 ASSUMED = 1.5
 

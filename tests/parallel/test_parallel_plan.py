@@ -7,10 +7,10 @@ import pytest
 from parallel.advice import expert_notes, plan_warnings
 from parallel.auto import rank_plans
 from parallel.cli import main
-from parallel.layout import RankLayout
 from parallel.memory import DEVICE_MEMORY_GIB, MemoryOptions, estimate_memory
 from parallel.models import TINY_QWEN3_MOE, load_spec
 from parallel.plan import ParallelPlan, PlanError, check_against_model
+from parallel.rank_layout import RankLayout
 
 QWEN = load_spec()
 

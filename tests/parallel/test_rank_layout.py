@@ -4,9 +4,9 @@ from itertools import product
 
 import pytest
 
-from parallel.layout import GROUP_NAMES, RankLayout
 from parallel.plan import ParallelPlan, PlanError
-from tests.multiproc import job_plan, run_ranks
+from parallel.rank_layout import GROUP_NAMES, RankLayout
+from tests.support.multiproc import job_plan, run_ranks
 
 # (tp, pp, cp, ep, etp) run inside one spawn per world size
 PLANS_8 = [
@@ -86,8 +86,8 @@ def _megatron_groups(rank: int, world: int, plans: list) -> list[dict]:
     """In one rank: initialise megatron-core for each plan in turn, report group members."""
     import torch.distributed as dist
 
-    from backend.device import prepare_device
-    from backend.distributed import init_parallel
+    from backend.platform.device import prepare_device
+    from backend.training.distributed import init_parallel
 
     prepare_device("cpu")
     from megatron.core import parallel_state as ps
@@ -107,7 +107,7 @@ def _fake_world_groups(_rank: int, world: int, plans: list) -> list[list[dict]]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     from megatron.core import parallel_state as ps

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from parallel.layout import RankLayout
 from parallel.models import load_spec
 from parallel.params import param_counts
 from parallel.plan import ParallelPlan
+from parallel.rank_layout import RankLayout
 from parallel.weight_sync import DEFAULT_BUCKET_MB, LINKS, stage_items, sync_cost
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
@@ -78,7 +78,7 @@ def test_the_ladder_costs_little_padding_and_bounds_the_shapes():
 
 
 def _dry_run(capsys, *argv) -> str:
-    from recipes.dapo import launch
+    from recipes.launcher import launch
 
     assert launch.main(["--dry-run", *argv]) == 0
     return capsys.readouterr().out

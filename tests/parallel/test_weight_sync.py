@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import loaded_model, run_plans
+from tests.support.multiproc import loaded_model, run_plans
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore_compat]
 BUCKET_BYTES = 48 << 10  # several buckets of the tiny model's 0.6 MB
@@ -52,9 +52,9 @@ def _checksums(stream) -> list[tuple[str, str, str, tuple]]:
 
 
 def sync_rank(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int) -> dict:
-    from backend.device import prepare_device
-    from backend.model import BuildOptions
-    from recipes.dapo.weights import hf_tensors
+    from backend.model.build import BuildOptions
+    from backend.platform.device import prepare_device
+    from recipes.dapo.engine.weights import hf_tensors
 
     prepare_device("cpu")
     opts = BuildOptions(experts="grouped", attention="sdpa")  # the accelerators' modules
@@ -88,7 +88,7 @@ def plans() -> list[tuple[int, int, int, int]]:
     ep2, pp2, and tp2 with whole experts (etp1), which megatron-core 0.12.1 cannot run."""
     from packaging.version import Version
 
-    from backend.compat import mcore_version
+    from backend.platform.compat import mcore_version
 
     runs = [(2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)]
     return runs + ([(2, 1, 1, 1)] if mcore_version() >= Version("0.13") else [])

@@ -1,11 +1,12 @@
-"""R3 on Ascend A2 through the launcher (recipes.dapo.a2_replay): the rollout settings under
+"""R3 on Ascend A2 through the launcher (recipes.launcher.a2_replay): the rollout settings under
 which vllm-ascend 0.23 records no routes, or one TP rank's share, are refused in one line
 naming the upstream source and the fix, exit 2, at resolution (before Ray or any model work);
 the default A2 rollout passes."""
 
 import pytest
 
-from recipes.dapo import a2_replay, cluster, launch
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.launcher import a2_replay, launch
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

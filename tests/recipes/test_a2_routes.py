@@ -2,7 +2,7 @@
 from vLLM 0.23.0 / vllm-ascend v0.23.0 source lines) are what the engine's R3 path consumes:
 numpy uint8 [prompt + response - 1, layers, top-k] (uint16 beyond 256 experts), as they come
 from vLLM, as verl 0.9.1's agent loop output hands them on (int16) and as ours does (uint8,
-recipes.dapo.compact_routes), reach the routers unchanged and as uint8; a wrong shape or dtype
+recipes.dapo.engine.compact_routes), reach the routers unchanged and as uint8; a wrong shape or dtype
 is refused in one line, never replayed."""
 
 import json
@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from backend.router_replay import ReplayError, ReplayRouting
-from recipes.dapo import replay_routes
-from recipes.dapo.batches import BatchError, MicroBatch
+from backend.model.router_replay import ReplayError, ReplayRouting
+from recipes.dapo.engine import replay_routes
+from recipes.dapo.engine.batches import BatchError, MicroBatch
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-FORMAT = json.loads((Path(__file__).parent / "data" / "vllm_ascend_0_23_routes.json").read_text())
+FORMAT = json.loads(
+    (Path(__file__).parents[1] / "data" / "vllm_ascend_0_23_routes.json").read_text()
+)
 MISSION = FORMAT["mission_model"]  # Qwen3-30B-A3B: 128 experts, 48 layers, top-8
 PROMPTS, RESPONSES = (5, 9), (4, 3)  # two requests' prompt and response lengths
 
@@ -47,8 +49,8 @@ def agent_loop_output(array: np.ndarray, prompt: int, response: int):
 def through(via: str, array: np.ndarray, prompt: int, response: int) -> torch.Tensor:
     """A request's routes as they leave the rollout side: vLLM's array itself; verl's agent
     loop output as it enters the TransferQueue (`as_dict`: int16, aligned to prompt +
-    response rows); ours (recipes.dapo.compact_routes: the same, back at the rollout's dtype)."""
-    from recipes.dapo.compact_routes import compact
+    response rows); ours (recipes.dapo.engine.compact_routes: the same, back at the rollout's dtype)."""
+    from recipes.dapo.engine.compact_routes import compact
 
     if via == "vllm":
         return torch.from_numpy(array)
@@ -66,7 +68,7 @@ def micro_batch(rows: list[torch.Tensor]) -> MicroBatch:
 
 
 def consumed(rows, num_experts, layers=range(0, MISSION["num_hidden_layers"])):
-    """The engine's R3 path for the old-log-prob pass (recipes.dapo.passes ->
+    """The engine's R3 path for the old-log-prob pass (recipes.dapo.engine.passes ->
     replay_routes.micro_batch_routes -> batches.micro_batch_routes)."""
     out = replay_routes.micro_batch_routes(
         micro_batch(rows), "old_log_prob", "R3", torch.device("cpu"), layers, num_experts

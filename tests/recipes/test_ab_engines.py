@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from converters.fsdp_state import check_fsdp_checkpoint, is_complete, rank_files
 from converters.hf_io import CheckpointError
-from converters.safe_pickle import UnsafeCheckpointError
+from converters.pickles.fsdp_state import check_fsdp_checkpoint, is_complete, rank_files
+from converters.pickles.safe_pickle import UnsafeCheckpointError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import ab_engines  # noqa: E402
 
@@ -57,7 +57,7 @@ def ab_run(mini_run, tmp_path_factory):
     """The side by side at the goal's row, mini at world 2: ours is the main-job run CI makes
     anyway (tests/conftest.py's mini_run, copied in), the bench launches verl's FSDP2 actor on
     the same job (its model, data and warm-up, the same overrides) and reduces both."""
-    from tests.test_verl_cpu_trainer import FP32_ROLLOUT, MINI_OVERRIDES
+    from tests.recipes.test_verl_cpu_trainer import FP32_ROLLOUT, MINI_OVERRIDES
 
     out = tmp_path_factory.mktemp("ab")
     # its metrics, model, data and summary (its checkpoints are not read here)
@@ -144,7 +144,7 @@ def test_verls_fsdp_checkpoint_passes_and_a_crafted_one_is_refused(ab_run, tmp_p
 def test_the_resume_takes_a_complete_fsdp_checkpoint_and_vets_it(ab_run, tmp_path):
     """Bug caught: the launcher's half-written-checkpoint rule (ours: manifest.json files)
     calling verl's FSDP checkpoint unfinished and starting afresh, or skipping its vetting."""
-    from recipes.dapo import resume
+    from recipes.dapo.checkpoints import resume
 
     root = tmp_path / "checkpoints"
     shutil.copytree(fsdp_actor(ab_run).parent, root / "global_step_2")

@@ -1,16 +1,16 @@
 """verl's separate_async trainer mode with our engine, end to end on CPU (tiny model, a few
-steps): a vLLM engine of its own, fed by the gloo weight channel (recipes.dapo.weight_channel).
+steps): a vLLM engine of its own, fed by the gloo weight channel (recipes.dapo.engine.weight_channel).
 Its checkpoint holds the TransferQueue state verl unpickles on resume: the launcher's resume
-check vets it (converters.queue_state). colocate_async's overrides are tested in
-tests/test_trainer_modes.py; its launch is measured by scripts/bench/async_modes.py, not in CI
+check vets it (converters.pickles.queue_state). colocate_async's overrides are tested in
+tests/recipes/test_trainer_modes.py; its launch is measured by scripts/bench/async_modes.py, not in CI
 (docs/async_modes.md)."""
 
 import pytest
 
 from converters.hf_io import CheckpointError
-from converters.queue_state import check_queue_state
-from recipes.dapo.step_line import LAG_LEGEND
-from tests.test_verl_cpu_trainer import STEP_ROW, history, launch
+from converters.pickles.queue_state import check_queue_state
+from recipes.dapo.console.step_line import LAG_LEGEND
+from tests.recipes.test_verl_cpu_trainer import STEP_ROW, history, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
 LAG = "training/off_policy/trajectory_staleness_worst"
@@ -66,7 +66,7 @@ def test_the_queue_state_verl_wrote_passes_the_resume_check(separate_run, tmp_pa
     colocate_async launch, costs two to three minutes of CI.)"""
     import shutil
 
-    from recipes.dapo import resume
+    from recipes.dapo.checkpoints import resume
 
     out = tmp_path / "copy"
     shutil.copytree(separate_run[0] / "checkpoints", out)

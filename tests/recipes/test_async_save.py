@@ -1,4 +1,4 @@
-"""Checkpoint saves in the background (verl's checkpoint.async_save; recipes.dapo.saving) at
+"""Checkpoint saves in the background (verl's checkpoint.async_save; recipes.dapo.checkpoints.async_save) at
 world size 1 on CPU: the save returns before its files are written, the optimizer steps on
 meanwhile, and the checkpoint holds the state of the save's moment, bit for bit; it is sealed
 (manifests, then verl's tracker) only once complete; a run stopped mid-save resumes from the
@@ -10,9 +10,12 @@ from functools import partial
 import pytest
 import torch
 
-from recipes.dapo import ckpt_layout, resume, saving, weights
-from tests.test_optim import _adam_state, _train_step
-from tests.test_verl_engine import build_engine
+from recipes.dapo.checkpoints import async_save as saving
+from recipes.dapo.checkpoints import files as ckpt_layout
+from recipes.dapo.checkpoints import resume
+from recipes.dapo.engine import weights
+from tests.recipes.test_optim import _adam_state, _train_step
+from tests.recipes.test_verl_engine import build_engine
 
 pytestmark = pytest.mark.mcore_compat  # megatron-core's async path differs between releases
 WRITE_DELAY_S = 3.0  # the forked writer waits this long before writing

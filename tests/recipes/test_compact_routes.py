@@ -1,7 +1,7 @@
-"""R3's routes stay one byte an id from the rollout to the engine (recipes.dapo.compact_routes):
+"""R3's routes stay one byte an id from the rollout to the engine (recipes.dapo.engine.compact_routes):
 verl 0.9.1's agent loop output widens vLLM's uint8 routes to int16 on their way into the
 TransferQueue; ours is verl's single-turn loop whose output narrows them back, every other
-field as verl's. The launch side: tests/test_verl_cpu_trainer.py (the engine's
+field as verl's. The launch side: tests/recipes/test_verl_cpu_trainer.py (the engine's
 `moe/rollout_routes/id_bytes`)."""
 
 import numpy as np
@@ -38,7 +38,7 @@ def test_the_output_is_verls_but_its_routes_stay_uint8():
     """Catches routes widened to int16 (twice the bytes through the queue, Ray and the
     trainer's batch), ids changed by the narrowing, or any other field lost on the way
     (a field verl set, dropped from `model_fields_set`, would vanish from as_dict)."""
-    from recipes.dapo.compact_routes import CompactRoutesOutput, compact
+    from recipes.dapo.engine.compact_routes import CompactRoutesOutput, compact
 
     verl_out = output(mission_routes())
     ours = compact(verl_out)
@@ -57,7 +57,7 @@ def test_the_output_is_verls_but_its_routes_stay_uint8():
 def test_wider_ids_and_no_routes_are_left_as_verl_has_them():
     """uint16 routes (> 256 experts) cannot be narrowed: verl's int16 stays; an output
     without routes (R3 off, validation) is verl's exactly."""
-    from recipes.dapo.compact_routes import compact
+    from recipes.dapo.engine.compact_routes import compact
 
     wide = output(mission_routes(np.uint16, experts=512))
     assert compact(wide).as_dict()["routed_experts"].dtype == torch.int16
@@ -73,8 +73,8 @@ def test_verl_finds_our_loop_through_its_config_file_and_the_run_names_it():
     import hydra.utils
     from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-    from recipes.dapo import overrides
-    from recipes.dapo.compact_routes import CompactRoutesAgentLoop
+    from recipes.dapo.engine.compact_routes import CompactRoutesAgentLoop
+    from recipes.dapo.job import overrides
 
     (entry,) = OmegaConf.load(overrides.AGENT_LOOPS)
     assert entry.name == overrides.AGENT_LOOP
@@ -86,8 +86,8 @@ def test_verl_finds_our_loop_through_its_config_file_and_the_run_names_it():
 def test_every_run_rolls_out_through_our_loop(argv, tmp_path):
     """The local run and both clusters' runs name our loop and verl's config file for it (an
     absolute path: the agent-loop workers resolve it on their own nodes)."""
-    from recipes.dapo import overrides
-    from tests.test_trainer_modes import cli, resolved
+    from recipes.dapo.job import overrides
+    from tests.recipes.test_trainer_modes import cli, resolved
 
     local = ["--ckpt-dir", str(tmp_path)] if "--model" in argv else []
     kv = cli(resolved([*argv, *local]))

@@ -1,4 +1,4 @@
-"""The launcher's console (recipes.dapo.console): all output to the log, a short view on screen.
+"""The launcher's console (recipes.dapo.console.screen): all output to the log, a short view on screen.
 
 The step lines are made by verl's own console logger (`concat_dict_to_str`) from the recorded
 main job (tests/data/dapo_cpu_metrics.jsonl), with Ray's prefix and colours as the driver
@@ -18,15 +18,22 @@ import pytest
 from verl.utils.logger.aggregate_logger import concat_dict_to_str
 
 from backend.monitor.alarms import AlarmRules, HealthAlarms
-from recipes.dapo import cluster
-from recipes.dapo.console import Console, clean, open_console, parse_step, step_line, warning_text
-from recipes.dapo.step_line import LEGEND
-from recipes.local.overrides import TOY_ALARMS
-from tests.test_alarms import TINY_SHAPE
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.console.screen import (
+    Console,
+    clean,
+    open_console,
+    parse_step,
+    step_line,
+    warning_text,
+)
+from recipes.dapo.console.step_line import LEGEND
+from recipes.local.cpu_overrides import TOY_ALARMS
+from tests.backend.test_alarms import TINY_SHAPE
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-STREAM = Path(__file__).parent / "data" / "dapo_cpu_metrics.jsonl"
+STREAM = Path(__file__).parents[1] / "data" / "dapo_cpu_metrics.jsonl"
 RAY = "\x1b[36m(TaskRunnerV1 pid=6295)\x1b[0m "
 TQ = ("(SimpleStorageUnit pid=6652) 2026-12-01 17:36:27,063 - WARNING - transfer_queue.utils"
       ".common - target_num_threads 8 should not exceed total physical CPU cores 2. Setting to 2.")  # fmt: skip
@@ -207,10 +214,10 @@ def test_verbose_shows_every_line_as_it_comes(tmp_path):
 
 
 def test_the_childs_own_traceback_is_held_then_shown_in_full(tmp_path, monkeypatch):
-    """A traceback of the child's own is held (it may be a refusal, recipes.dapo.tracebacks);
+    """A traceback of the child's own is held (it may be a refusal, recipes.dapo.console.tracebacks);
     once the child has outlived it, it is shown in full and the lines held with it as they
     would have been. A Ray worker's traceback is not the child's: its error shows at once."""
-    from recipes.dapo import tracebacks
+    from recipes.dapo.console import tracebacks
 
     con, out = console(tmp_path, total_steps=35)
     worker = ["(WorkerDict pid=7) Traceback (most recent call last):",

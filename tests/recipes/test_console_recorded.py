@@ -1,5 +1,5 @@
-"""The console on the main job's recorded CPU run, as a person reads it (recipes.dapo.console,
-recipes.dapo.console_filters).
+"""The console on the main job's recorded CPU run, as a person reads it (recipes.dapo.console.screen,
+recipes.dapo.console.filters).
 
 tests/data/main_console_stream.log is that run's child output (colours and Ray's prefixes as
 they came), trimmed: verl's printed config and vLLM's argument list dropped, the step lines
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo.console import NUMBER, RAY_PREFIX, Console, clean, warning_text
-from recipes.dapo.console_filters import NOT_APPLICABLE, STARTUP_EVERY_S
-from recipes.dapo.step_line import LEGEND
+from recipes.dapo.console.filters import NOT_APPLICABLE, STARTUP_EVERY_S
+from recipes.dapo.console.screen import NUMBER, RAY_PREFIX, Console, clean, warning_text
+from recipes.dapo.console.step_line import LEGEND
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 STREAM = DATA / "main_console_stream.log"
 FINISH = DATA / "main_finish_stderr.log"
 STARTING = re.compile(r"^starting: (.+) \((\d+) s\)$")
@@ -150,7 +150,7 @@ def test_wall_time_and_start_up_count_from_the_process_start():
     imports, seconds the person waited): launched_at is this process's start."""
     import time
 
-    from recipes.dapo.launch import launched_at
+    from recipes.launcher.launch import launched_at
 
     t0 = launched_at()
     assert t0 <= time.perf_counter() - 0.5  # pytest has run its imports and this module's

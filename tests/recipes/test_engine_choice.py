@@ -1,6 +1,6 @@
-"""`--engine mcore_ep|fsdp`: verl's own FSDP2 actor on the same job (recipes.dapo.engines),
+"""`--engine mcore_ep|fsdp`: verl's own FSDP2 actor on the same job (recipes.dapo.job.actors),
 registered for the CPU platform through verl's EngineRegistry, its keys alone on the command
-line, its refusals, its checkpoint vetted before verl unpickles it (converters.fsdp_state) and
+line, its refusals, its checkpoint vetted before verl unpickles it (converters.pickles.fsdp_state) and
 found by the finish and the resume."""
 
 import subprocess
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from parallel.plan import PlanError
-from recipes.dapo import overrides
-from tests.test_trainer_modes import cli, resolved
+from recipes.dapo.job import overrides
+from tests.recipes.test_trainer_modes import cli, resolved
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -27,7 +27,7 @@ def test_fsdp_on_cpu_sets_only_verls_fsdp_keys(tmp_path):
     assert (
         kv["actor_rollout_ref.actor.checkpoint.save_contents"] == "[model,optimizer,extra,hf_model]"
     )
-    assert kv["actor_rollout_ref.model.external_lib"] == "recipes.local.fsdp_cpu"
+    assert kv["actor_rollout_ref.model.external_lib"] == "recipes.local.cpu.fsdp_engine"
     assert kv["+actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"
     assert "param_dtype:fp32" in kv["+actor_rollout_ref.actor.fsdp_config.mixed_precision"]
     # only the actor changed: the DAPO loss, batch sizes and rollout are ours' run's
@@ -69,10 +69,10 @@ def test_the_cpu_registration_adds_verls_fsdp_engine_for_cpu_and_changes_no_othe
     registration that replaces verl's cuda / npu entries. In a child: the registry is global."""
     code = (
         "import os; os.environ['VERL_PLATFORM'] = 'cpu'\n"
-        "import recipes.local.platform\n"
+        "import recipes.local.cpu.platform\n"
         "from verl.workers.engine import EngineRegistry, FSDPEngineWithLMHead\n"
         "before = dict(EngineRegistry._engines['language_model']['fsdp2'])\n"
-        "import recipes.local.fsdp_cpu\n"
+        "import recipes.local.cpu.fsdp_engine\n"
         "after = EngineRegistry._engines['language_model']['fsdp2']\n"
         "assert set(after) == set(before) | {'cpu'}, (before, after)\n"
         "assert all(after[k] is before[k] for k in before)\n"

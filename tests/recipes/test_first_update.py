@@ -22,9 +22,9 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from recipes.local.tiny_model import make_tiny_checkpoint
+from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
-RECORDING = Path(__file__).parent / "data" / "first_update_batch.json"
+RECORDING = Path(__file__).parents[1] / "data" / "first_update_batch.json"
 GROUPS = ("router", "experts", "attention_norms", "embedding", "head")
 PAD_ROW = "model.embed_tokens.weight"
 
@@ -85,7 +85,7 @@ def recorded_batch(rec: dict):
 
 def loss_function(rec: dict):
     """verl's ppo_loss with the recorded actor settings (DAPO's clip-higher, token-mean)."""
-    from recipes.dapo.config import McoreEpActorConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig
 
     s = rec["loss"]
     config = McoreEpActorConfig(
@@ -119,7 +119,7 @@ def replay(tmp_path_factory, world1):
     from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
     from converters.sharding import gather_full
     from converters.table import mcore_to_hf
-    from tests.test_verl_engine import build_engine
+    from tests.recipes.test_verl_engine import build_engine
 
     rec = recording()
     hf_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("first_update"), **rec["model"])

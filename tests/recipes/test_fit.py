@@ -8,9 +8,9 @@ import pytest
 from parallel.memory import HEADROOM
 from parallel.models import load_spec
 from parallel.plan import ParallelPlan, PlanError, check_against_model
-from recipes.dapo import fit as fit_mod
-from recipes.dapo.fit import COMM_BUFFER_GIB, SECOND_CONTEXT_GIB, communicators, fit_rollout
-from recipes.dapo.overrides import MICRO_BATCH_TOKENS
+from recipes.dapo.job import fit as fit_mod
+from recipes.dapo.job.fit import COMM_BUFFER_GIB, SECOND_CONTEXT_GIB, communicators, fit_rollout
+from recipes.dapo.job.overrides import MICRO_BATCH_TOKENS
 
 
 def _fit(device="npu", tp=4, ep=8, rollout_tp=4):

@@ -1,7 +1,7 @@
 """The launcher's local run before Ray: a rerun never deletes the last run (it is moved to
 <dir>.<UTC timestamp>, byte for byte), a dry run writes nothing, and Hydra's `+key=` and
 `~key` pass-through overrides reach verl as written. The bad inputs (plans, counts, --resume,
-unknown keys) are rows of tests/bad_inputs.py."""
+unknown keys) are rows of tests/support/bad_inputs.py."""
 
 import hashlib
 import json
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo import cluster, launch, overrides, resolution
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.job import overrides
+from recipes.launcher import launch, resolution
 
 pytestmark = pytest.mark.no_mcore
 
@@ -49,8 +51,8 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     so and changes nothing."""
     from backend.qwen3_moe import load_qwen3_moe_spec
     from recipes.local import run as local_run
-    from recipes.local.cpu_limits import problems
-    from recipes.local.task import VOCAB_SIZE
+    from recipes.local.cpu.rollout_limits import problems
+    from recipes.local.task.doubles import VOCAB_SIZE
 
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     out, seen = tmp_path / "run", []
@@ -139,7 +141,7 @@ def test_plus_and_tilde_overrides_reach_verl_as_written(tmp_path, monkeypatch):
     """Catches the schema check or the merge refusing Hydra's own syntax: `+key=` adds a key,
     `~key` deletes verl's (and drops ours, which is then not passed twice); verl composes the
     result."""
-    from recipes.dapo.verl_schema import compose
+    from recipes.launcher.verl_schema import compose
 
     extra = ["+trainer.note=1", "~trainer.total_epochs", "~trainer.val_before_train",
              "~actor_rollout_ref.actor.mcore_ep.packed"]  # fmt: skip

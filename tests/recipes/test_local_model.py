@@ -1,14 +1,15 @@
-"""The local run's `--model` (recipes.dapo.local_model): mini by default where
+"""The local run's `--model` (recipes.launcher.local_model): mini by default where
 parallel.models defines it, tiny, or the user's own HF Qwen3-MoE directory, which the dry run
 names, the launch trains in place and the finish exports against. The broken directories
-are rows of tests/bad_inputs_model.py."""
+are rows of tests/support/bad_inputs_model.py."""
 
 import shutil
 from pathlib import Path
 
 import pytest
 
-from recipes.dapo import cluster, launch, resolution
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.launcher import launch, resolution
 from recipes.local import run as local_run
 
 pytestmark = pytest.mark.no_mcore
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.no_mcore
 @pytest.fixture(scope="module")
 def user_model(tmp_path_factory) -> Path:
     """A small valid HF Qwen3-MoE directory with its tokenizer: the tiny model, renamed."""
-    from recipes.local.models import make_built
+    from recipes.local.task.built_models import make_built
 
     built = make_built(tmp_path_factory.mktemp("built"), "tiny")
     return Path(shutil.copytree(built, tmp_path_factory.mktemp("user") / "my_moe"))
@@ -62,7 +63,7 @@ def test_the_launch_trains_and_finishes_on_the_users_dir(how, user_model, tmp_pa
 def test_finish_exports_against_the_model_it_is_given(user_model, tmp_path, monkeypatch):
     """The finish's export and reload check take the trained model's dir as their template
     (a fake run dir: a checkpoint path, no verl)."""
-    from recipes.dapo import health
+    from recipes.dapo.console import health_report as health
     from recipes.local import export
 
     actor, templates = tmp_path / "checkpoints" / "global_step_3" / "actor", []

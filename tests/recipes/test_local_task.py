@@ -6,7 +6,7 @@ import re
 import pandas as pd
 import pytest
 
-from recipes.local.task import compute_score, make_problems, write_data
+from recipes.local.task.doubles import compute_score, make_problems, write_data
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -46,17 +46,17 @@ def test_mini_checkpoint_with_the_tasks_tokenizer_is_one_vllms_cpu_backend_serve
     tokenizer in one folder): no limit of vLLM's CPU backend hit at the run's rollout TP, its
     vocabulary and special ids the tokenizer's, Qwen3-30B-A3B's routing and GQA kept, its
     layers split by pp 2 and 4, and the pad token's embedding row drawn (a zero row made the
-    first update's gradient an outlier: tests/test_first_update.py). Catches a size that vLLM
+    first update's gradient an outlier: tests/recipes/test_first_update.py). Catches a size that vLLM
     pads or refuses (head_dim, hidden or expert slice off 32) or a vocabulary the tokenizer
     does not name."""
     from transformers import AutoTokenizer
 
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
-    from recipes.local.cpu_limits import problems
-    from recipes.local.overrides import ROLLOUT_TP
-    from recipes.local.task import VOCAB_SIZE, write_tokenizer
-    from recipes.local.tiny_model import make_checkpoint
+    from recipes.local.cpu.rollout_limits import problems
+    from recipes.local.cpu_overrides import ROLLOUT_TP
+    from recipes.local.task.doubles import VOCAB_SIZE, write_tokenizer
+    from recipes.local.task.hf_checkpoints import make_checkpoint
 
     hf_dir = write_tokenizer(make_checkpoint(tmp_path / "mini", "mini", seed=0))
     assert problems(hf_dir, ROLLOUT_TP) == []
@@ -80,7 +80,7 @@ def test_sums_write_their_working_and_verls_scorer_grades_the_answer_line():
     line verl's Minerva parser does not read, or a single operand given working."""
     from verl.utils.reward_score import default_compute_score
 
-    from recipes.local.sums import Sum
+    from recipes.local.task.sums import Sum
 
     s = Sum((2, 1, 3))
     assert (s.prompt, s.working, s.answer) == ("2+1+3=", "2+1=3\n3+3=6\nAnswer: 6", "6")
@@ -96,9 +96,9 @@ def test_sums_response_lengths_vary_4x_within_a_batch(tmp_path):
     whose longest answer the overlong buffer would penalise."""
     from transformers import AutoTokenizer
 
-    from recipes.local.overrides import SUMS
-    from recipes.local.sums import MAX_RESPONSE_TOKENS, draw_sums
-    from recipes.local.task import write_tokenizer
+    from recipes.local.cpu_overrides import SUMS
+    from recipes.local.task.doubles import write_tokenizer
+    from recipes.local.task.sums import MAX_RESPONSE_TOKENS, draw_sums
 
     tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok"))
     sums = draw_sums(512, seed=0)
@@ -115,7 +115,7 @@ def test_sums_response_lengths_vary_4x_within_a_batch(tmp_path):
 
 
 def test_sums_data_files_rl_and_sft_in_verls_columns(tmp_path):
-    from recipes.local.sums import write_sums_data
+    from recipes.local.task.sums import write_sums_data
 
     paths = write_sums_data(tmp_path, train=20, val=6, sft=10)
     train, val, sft = (pd.read_parquet(paths[k]) for k in ("train", "val", "sft"))
@@ -132,7 +132,7 @@ def test_the_warmups_corpus_answers_half_the_long_sums_by_a_guess():
     answer line (right one time in ten): what RL has to learn is the choice, so validation
     climbs from a low start. Catches a corpus without guesses (RL would start at its ceiling),
     a one-operand sum guessed (its answer line is its working), a worked answer changed."""
-    from recipes.local.sums import Sum, draw_sums, sft_rows
+    from recipes.local.task.sums import Sum, draw_sums, sft_rows
 
     sums = draw_sums(2000, seed=2)
     rows = sft_rows(sums, guess_share=0.5, seed=3)

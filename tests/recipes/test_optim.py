@@ -8,8 +8,8 @@ import pytest
 import torch
 from verl.workers.utils.losses import ppo_loss
 
-from recipes.dapo import weights
-from tests.test_verl_engine import _on_policy, build_engine, dapo_actor_config, make_batch
+from recipes.dapo.engine import weights
+from tests.recipes.test_verl_engine import _on_policy, build_engine, dapo_actor_config, make_batch
 
 pytestmark = pytest.mark.mcore_compat  # the 0.12.1 shims and checkpoint format too
 

@@ -9,9 +9,8 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from backend.common import round_up
-from tests.aux_gradient import aux_settings
-from tests.test_verl_engine import (
+from backend.shared.names import round_up
+from tests.recipes.test_verl_engine import (
     LENGTHS,
     _engine_grads,
     _on_policy,
@@ -19,10 +18,11 @@ from tests.test_verl_engine import (
     dapo_actor_config,
     make_batch,
 )
+from tests.support.aux_gradient import aux_settings
 
 
 def test_real_token_planner_packs_first_fit_within_the_budget():
-    from recipes.dapo.batches import BatchError, plan_by_real_tokens, plan_by_tokens
+    from recipes.dapo.engine.batches import BatchError, plan_by_real_tokens, plan_by_tokens
 
     lengths = [12, 7, 15, 6, 8, 3]
     plans = plan_by_real_tokens(lengths, budget=20, multiple=4)
@@ -49,7 +49,7 @@ def test_packed_plan_never_holds_more_slots_than_the_padded_plan(seed, tp, budge
     """One budget rule (micro_batch_slots): a packed micro-batch holds at most the slots of the
     padded plan's largest micro-batch (rows x longest row), so packing cannot raise peak
     activation memory; and it needs no more micro-batches."""
-    from recipes.dapo.batches import micro_batch_slots, packed_slot_budget, plan_lengths
+    from recipes.dapo.engine.batches import micro_batch_slots, packed_slot_budget, plan_lengths
 
     lengths = dapo_like_lengths(64, seed, response_max=budget // 2)
     padded = plan_lengths(lengths, budget, tp, packed=False)
@@ -66,7 +66,7 @@ def test_packed_plan_never_holds_more_slots_than_the_padded_plan(seed, tp, budge
 
 
 def test_packed_plan_balances_a_first_fit_remainder():
-    from recipes.dapo.batches import plan_by_real_tokens
+    from recipes.dapo.engine.batches import plan_by_real_tokens
 
     lengths = [10, 10, 10, 1, 1]  # first fit at 21: [10, 10, 1], [10, 1] -> [10, 10], [10, 1, 1]
     plans = plan_by_real_tokens(lengths, budget=21, multiple=1)
@@ -74,8 +74,8 @@ def test_packed_plan_balances_a_first_fit_remainder():
 
 
 def test_packed_micro_batch_layout_with_a_tp_tail():
-    from backend.forward import packed_position_ids
-    from recipes.dapo.batches import micro_batch, packed_micro_batch
+    from backend.model.forward import packed_position_ids
+    from recipes.dapo.engine.batches import micro_batch, packed_micro_batch
 
     data = make_batch()
     rows = [0, 2, 3]  # (5, 7), (6, 9), (4, 2): 33 tokens, tp 4 -> 36
@@ -101,7 +101,7 @@ def test_packed_micro_batch_layout_with_a_tp_tail():
 
 
 def test_packed_config_needs_sdpa_attention():
-    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+    from recipes.dapo.engine.config import EngineConfigError, McoreEpEngineConfig
 
     assert McoreEpEngineConfig(packed=True).resolved_attention == "sdpa"
     assert McoreEpEngineConfig().resolved_attention == "auto"
@@ -113,7 +113,7 @@ def test_sdpa_packed_attention_is_per_sequence_causal():
     """The packed path = causal SDPA on each sequence alone (GQA: 4 heads, 2 groups)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from backend.attention import SDPAttention
+    from backend.model.attention import SDPAttention
 
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 1, 7]
@@ -141,8 +141,8 @@ def make_engine(world1, tiny_hf_dir, monkeypatch):
 
 
 def test_packed_length_ladder_rounds_every_total_up_to_its_step():
-    from backend.packing import ladder_step
-    from recipes.dapo.batches import packed_micro_batch
+    from backend.model.packing import ladder_step
+    from recipes.dapo.engine.batches import packed_micro_batch
 
     assert [ladder_step(d) for d in ("npu", "cuda", "cpu")] == [512, 1, 1]
     assert ladder_step("npu", 0) == ladder_step("npu", 1) == 1 and ladder_step("cpu", 64) == 64
@@ -155,7 +155,7 @@ def test_packed_length_ladder_rounds_every_total_up_to_its_step():
 def test_the_ladder_bounds_the_packed_shapes_at_little_padding(step):
     """On the DAPO-like mix: every packed total on the ladder, at most step - 1 slots above
     the padded plan's largest micro-batch, no more micro-batches than padded."""
-    from recipes.dapo.batches import micro_batch_slots, packed_slot_budget, plan_lengths
+    from recipes.dapo.engine.batches import micro_batch_slots, packed_slot_budget, plan_lengths
 
     totals = set()
     for seed in range(4):
@@ -170,7 +170,7 @@ def test_the_ladder_bounds_the_packed_shapes_at_little_padding(step):
 
 
 def test_packed_length_step_is_validated():
-    from recipes.dapo.config import EngineConfigError, McoreEpEngineConfig
+    from recipes.dapo.engine.config import EngineConfigError, McoreEpEngineConfig
 
     with pytest.raises(EngineConfigError, match="packed_length_step=-1"):
         McoreEpEngineConfig(packed=True, packed_length_step=-1)
@@ -204,7 +204,9 @@ def test_packed_log_probs_and_entropy_equal_padded(engines, max_tokens):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"{key} row {row}")
 
 
-AUX_ON = aux_settings("global_batch")  # the coefficients of tests/aux_gradient.py's reference
+AUX_ON = aux_settings(
+    "global_batch"
+)  # the coefficients of tests/support/aux_gradient.py's reference
 
 
 @pytest.mark.parametrize(
@@ -214,7 +216,7 @@ AUX_ON = aux_settings("global_batch")  # the coefficients of tests/aux_gradient.
 )
 def test_packed_loss_and_gradients_equal_padded(make_engine, extra, world1, tiny_hf_dir):
     """Also with the router aux loss applied (global_batch: its counting pass runs packed),
-    whose router gradient, packed, is the reference's (tests/aux_gradient.py), and with packed
+    whose router gradient, packed, is the reference's (tests/support/aux_gradient.py), and with packed
     totals on a ladder of 16 tokens (more padding, the same results). Catches a packed path
     that differs from the padded one (loss, gradients, metrics), and with the aux loss an aux
     gradient scaled to 0 (both paths would agree without it)."""
@@ -228,8 +230,8 @@ def test_packed_loss_and_gradients_equal_padded(make_engine, extra, world1, tiny
         _on_policy(engine, data)
         results.append(_engine_grads(engine, data, loss_fn))
     if "aux_loss" in extra:
-        from tests.aux_gradient import assert_aux_gradient, reduced_router_grads
-        from tests.aux_gradient import reference as aux_reference
+        from tests.support.aux_gradient import assert_aux_gradient, reduced_router_grads
+        from tests.support.aux_gradient import reference as aux_reference
 
         on = reduced_router_grads(engine, data, loss_fn)
         plain = {k: v for k, v in extra.items() if k != "aux_loss"}
@@ -262,7 +264,7 @@ def test_packed_monitor_counts_real_tokens_only(make_engine):
 
 
 def test_packed_r3_forces_the_rollout_routes_on_every_fed_token(make_engine):
-    from tests.test_router_replay import (
+    from tests.backend.test_router_replay import (
         LAYERS,
         Watch,
         forced_mismatches,
@@ -281,7 +283,7 @@ def test_packed_r3_forces_the_rollout_routes_on_every_fed_token(make_engine):
 
 
 def test_packed_r2_records_the_padded_paths_routes(make_engine):
-    from tests.test_router_replay import marked_batch
+    from tests.backend.test_router_replay import marked_batch
 
     recorded = []
     for packed in (False, True):
@@ -299,7 +301,7 @@ def packed_vs_padded_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
     import os
 
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     loss_fn = partial(ppo_loss, config=dapo_actor_config())
@@ -338,8 +340,8 @@ def test_packed_equals_padded_under_tp_and_ep(tiny_hf_dir):
     and tp2 x ep2 in one spawn (megatron-core 0.12.1 cannot run tp=2 with ep=1 and etp=1)."""
     from packaging.version import Version
 
-    from backend.compat import mcore_version
-    from tests.multiproc import run_plans
+    from backend.platform.compat import mcore_version
+    from tests.support.multiproc import run_plans
 
     plans = [(2, 1), (1, 2), (2, 2)]
     if mcore_version() < Version("0.13"):
@@ -366,7 +368,7 @@ def _bench_module(monkeypatch):
     from pathlib import Path
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    path = Path(__file__).parents[1] / "scripts" / "bench" / "packed_vs_padded.py"
+    path = Path(__file__).parents[2] / "scripts" / "bench" / "packed_vs_padded.py"
     spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -405,7 +407,7 @@ def test_benchmark_memory_runs_each_engine_and_pass_in_a_child(monkeypatch, tmp_
 
 
 def test_packed_log_probs_and_entropy_match_transformers(make_engine, tiny_hf_model):
-    from tests.test_verl_engine import hf_log_probs_and_entropy
+    from tests.recipes.test_verl_engine import hf_log_probs_and_entropy
 
     engine, data = make_engine(packed=True), make_batch(max_tokens=24)
     tu.assign_non_tensor(data, calculate_entropy=True)

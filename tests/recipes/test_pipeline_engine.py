@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from tests.support.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,14 @@ def _step_metrics(out) -> dict:
 
 def pipeline_rank(rank: int, hf_dir: str, ckpt: str) -> dict:
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     from verl.workers.utils.padding import response_from_nested
 
     from backend.qwen3_moe import unfuse_experts
     from converters.hf_io import read_state_dict
-    from tests import test_verl_engine as t
+    from tests.recipes import test_verl_engine as t
 
     engine = t.build_engine(hf_dir, pipeline_model_parallel_size=2, **SETTINGS)
     hf = unfuse_experts(read_state_dict(hf_dir))
@@ -101,8 +101,9 @@ def test_pp2_engine_matches_world1_and_resumes_exactly(world1, tiny_hf_dir, tmp_
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     from verl.workers.utils.padding import response_from_nested
 
-    from recipes.dapo import ckpt_layout, weights
-    from tests import test_verl_engine as t
+    from recipes.dapo.checkpoints import files as ckpt_layout
+    from recipes.dapo.engine import weights
+    from tests.recipes import test_verl_engine as t
 
     engine = t.build_engine(tiny_hf_dir, **SETTINGS)
     data = t.make_batch()

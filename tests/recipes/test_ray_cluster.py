@@ -5,7 +5,7 @@ tp1/ep2 with packed sequences, one rank per node), a node lost during an update 
 checkpoint.
 
 Every process started here is stopped here by its pid: the nodes by their --stop and then by
-their session (recipes.dapo.ray_node), the launches by their session. The lost node is
+their session (recipes.dapo.cluster.ray_node), the launches by their session. The lost node is
 SIGKILLed with its whole session (raylet, its workers and agents) at once. A kill during the
 rollout instead: MCORE_KILL_PHASE=rollout (by hand; CI kills the update).
 """
@@ -24,12 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.dapo import cluster, launch, lost_node, ray_node
-from recipes.local.overrides import TOY
-from tests.test_verl_cpu_trainer import FP32_ROLLOUT, SYNC_TOLERANCE  # as the other launches
+from recipes.dapo.cluster import lost_node, ray_node
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.launcher import launch
+from recipes.local.cpu_overrides import TOY
+from tests.recipes.test_verl_cpu_trainer import (  # as the other launches
+    FP32_ROLLOUT,
+    SYNC_TOLERANCE,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
 # from the kill to the launcher's exit, at most: Ray's verdict (5 missed health checks 3 s
 # apart, cluster.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
@@ -38,7 +43,7 @@ BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
 # what scripts/ray_start_{head,worker}.sh run after their bootstrap call (run directly here:
 # on a machine whose venv other checkouts share, a bootstrap of this checkout's older set
 # would reinstall it under them)
-NODE = [sys.executable, "-m", "recipes.dapo.ray_node"]
+NODE = [sys.executable, "-m", "recipes.dapo.cluster.ray_node"]
 PLAN = ["--nodes", "2", "--devices-per-node", "1", "--ep", "2"]
 # packed sequences (THD micro-batches) at two ranks in verl's own loop: the actor's old
 # log-probs equal the rollout's after every sync (the padded path: the world-1 trainer run).
@@ -162,7 +167,7 @@ def running_tasks(address: str) -> list[str]:
 
 def start_launch(out: Path, box: Box, name: str, *flags: str, overrides=()) -> subprocess.Popen:
     """The launcher on the box's cluster, its output in <out>.<name>.out / .err."""
-    cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
+    cmd = [sys.executable, "-m", "recipes.launcher.launch", "--device", "cpu", "--ray-address",
            box.address, *PLAN, "--model", "tiny", "--ckpt-dir", str(out), *flags, "--", *QUIET,
            *overrides]  # fmt: skip
     with open(logs(out, name)[0], "w") as stdout, open(logs(out, name)[1], "w") as err:
@@ -311,7 +316,7 @@ def _restart_worker_with_the_wrong_device_first(box: Box, out: Path) -> None:
     ray_status_counts(box.address, GPU=1, NPU=1)
     wrong = box.pid("worker")
     refused = subprocess.run(
-        [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ray-address",
+        [sys.executable, "-m", "recipes.launcher.launch", "--device", "cpu", "--ray-address",
          box.address, *PLAN, "--model", "tiny", "--ckpt-dir", str(out), "--resume"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -337,7 +342,7 @@ def _resume(box: Box, out: Path, train_rows: int) -> None:
     in the embedded run. Catches a no-op load (the HF weights' norm, update 0) and a
     dataloader not restored (step 2 draws the epoch's first prompts again)."""
     from recipes.local.run import read_history
-    from tests.test_verl_engine import loaded_line  # the engine's line on a checkpoint load
+    from tests.recipes.test_verl_engine import loaded_line  # the engine's line on a checkpoint load
 
     ckpt = out / "checkpoints"
     half = ckpt / "global_step_2"  # as a kill while step 2's save was written in the background
@@ -387,12 +392,12 @@ def _resume(box: Box, out: Path, train_rows: int) -> None:
 
 
 def tagged_data(data_dir: Path) -> int:
-    """The toy task's parquet files (recipes.local.task), each train prompt prefixed by its
+    """The toy task's parquet files (recipes.local.task.doubles), each train prompt prefixed by its
     row ("17*3+3="): the rows a step trained on can be read from verl's rollout dump. The
     train row count."""
     import pandas as pd
 
-    from recipes.local.task import write_data
+    from recipes.local.task.doubles import write_data
 
     train_file = write_data(data_dir)["train"]
     train = pd.read_parquet(train_file)

@@ -1,4 +1,4 @@
-"""Ray's local start failing under load (recipes.dapo.ray_start): retried with one console
+"""Ray's local start failing under load (recipes.dapo.cluster.ray_start): retried with one console
 line per retry, then one line and exit 2 with Ray's traceback in the log only; a training crash
 is never retried. The trainer is a script printing what verl's driver prints when ray.init
 fails (Hydra's report, Ray's traceback), and once a real ray.init made to time out."""
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.cli_contract import run_cli
-from recipes.dapo import cluster, ray_start
-from recipes.dapo.cluster import LaunchError
-from recipes.dapo.console import open_console
-from recipes.dapo.tracebacks import RAY_START_FAILURES, start_failure_in
+from backend.shared.cli_contract import run_cli
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_start
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.console.screen import open_console
+from recipes.dapo.console.tracebacks import RAY_START_FAILURES, start_failure_in
 
 pytestmark = pytest.mark.no_mcore
 
@@ -137,8 +138,8 @@ def test_the_start_failures_are_rays_own_words():
 def test_a_real_ray_start_made_to_time_out(tmp_path, console):
     """Catches the retry missing what Ray really prints: ray.init told to wait 0 s for its GCS
     (RAY_gcs_server_port_wait_time_s=0) fails its start each time (~3 s): retried once, then
-    RayStartError; nothing of the run's processes is left (recipes.dapo.run_scope)."""
-    from recipes.dapo.run_scope import RunScope
+    RayStartError; nothing of the run's processes is left (recipes.dapo.cluster.run_scope)."""
+    from recipes.dapo.cluster.run_scope import RunScope
 
     init = "import ray; ray.init(num_cpus=1, include_dashboard=False, address='local')"
     ray_tmp = tempfile.mkdtemp(prefix="rt")  # Ray's sessions (short: Ray's socket paths)
@@ -156,7 +157,7 @@ def test_a_real_ray_start_made_to_time_out(tmp_path, console):
 def test_the_launcher_says_it_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
     """Catches the local run not retrying or not exiting 2: `launch.main` on CPU with verl's
     trainer replaced by the failing one (in the run's environment: its id and temp dir)."""
-    from recipes.dapo import launch
+    from recipes.launcher import launch
 
     real = cluster.run_command
     seen = []

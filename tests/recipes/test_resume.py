@@ -1,10 +1,10 @@
 """Resume is safe: nothing in a checkpoint directory runs code, verl's `data.pt` included, and
-a refusal reaches the user as one line with exit 2 (recipes.dapo.resume; the launcher's
-console, recipes.dapo.console and tracebacks).
+a refusal reaches the user as one line with exit 2 (recipes.dapo.checkpoints.resume; the launcher's
+console, recipes.dapo.console.screen and tracebacks).
 
 The allow-list for `data.pt` is what genuine ones pickle: saves made here with verl's own
 dataloader pieces (torchdata's StatefulDataLoader, verl's create_rl_sampler and collate_fn);
-tests/test_verl_cpu_trainer.py checks a real run's too."""
+tests/recipes/test_verl_cpu_trainer.py checks a real run's too."""
 
 import io
 import pickle
@@ -18,11 +18,14 @@ import pytest
 import torch
 
 from converters.hf_io import CheckpointError
-from converters.safe_pickle import TORCH_SAVE_ALLOWED, UnsafeCheckpointError
-from recipes.dapo import ckpt_layout, cluster, resume, tracebacks
-from recipes.dapo.console import open_console
+from converters.pickles.safe_pickle import TORCH_SAVE_ALLOWED, UnsafeCheckpointError
+from recipes.dapo.checkpoints import files as ckpt_layout
+from recipes.dapo.checkpoints import resume
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.console import tracebacks
+from recipes.dapo.console.screen import open_console
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pickled_globals(path: Path) -> set[tuple[str, str]]:
@@ -208,7 +211,7 @@ def test_resume_with_a_crafted_data_state_stops_in_one_line_before_anything_star
 
     prepare(run)  # the tiny model and data an earlier launch left (so none are made now)
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--resume",
+        [sys.executable, "-m", "recipes.launcher.launch", "--device", "cpu", "--resume",
          "--model", "tiny", "--ckpt-dir", str(run)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -254,7 +257,7 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
 # ---- a refusal inside the trainer: one line, the traceback in the run's log ------------------
 
 # a training child's last words, as verl's driver prints them (abridged; the real ones:
-# tests/test_verl_cpu_trainer.py and the engine-check row of tests/bad_inputs.py)
+# tests/recipes/test_verl_cpu_trainer.py and the engine-check row of tests/support/bad_inputs.py)
 RAY_TRACEBACK = r"""
 import sys
 sys.stderr.write(
@@ -381,5 +384,5 @@ def _poll(child, poll_s):
 def test_refusal_names_cover_every_checkpoint_error():
     names = tracebacks.refusal_classes()
     for name in ("converters.hf_io.CheckpointError", "converters.manifest.ManifestError",
-                 "converters.safe_pickle.UnsafeCheckpointError"):  # fmt: skip
+                 "converters.pickles.safe_pickle.UnsafeCheckpointError"):  # fmt: skip
         assert name in names

@@ -1,7 +1,7 @@
-"""Nothing a run starts outlives it (recipes.dapo.run_scope, recipes.dapo.reaper): after a
+"""Nothing a run starts outlives it (recipes.dapo.cluster.run_scope, recipes.dapo.cluster.reaper): after a
 kill -9 of the launcher's process group, after a clean finish and after a refused run, no
 process of the run, no shared-memory segment and no temp file of it is left; what is not the
-run's is left alone. The trainer is tests/leaky_trainer.py (what Ray and vLLM leave, without
+run's is left alone. The trainer is tests/support/leaky_trainer.py (what Ray and vLLM leave, without
 them), started by the launcher's own machinery (RunScope + cluster.run_command) in a process
 of its own, as scripts/train_mcore.sh starts the launcher."""
 
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo.reaper import RUN_ID
+from recipes.dapo.cluster.reaper import RUN_ID
 
 pytestmark = pytest.mark.no_mcore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = f"""
 import json, sys
 from pathlib import Path
-from recipes.dapo.cluster import run_command
-from recipes.dapo.run_scope import RunScope
+from recipes.dapo.cluster.ray_job import run_command
+from recipes.dapo.cluster.run_scope import RunScope
 logs, manifest, mode = sys.argv[1:]
 with RunScope(Path(logs), sample_s=0.3) as scope:
     scope_file = Path(manifest + ".scope")
@@ -162,7 +162,7 @@ def test_what_is_not_the_runs_is_left_alone(tmp_path):
 def test_a_refused_run_starts_nothing_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     """Catches a refused launch that made the run's temp dir or started its reaper before the
     check that refused it: no process started, no temp dir, /dev/shm as it was."""
-    from recipes.dapo import launch as launcher
+    from recipes.launcher import launch as launcher
 
     started = []
     real = subprocess.Popen
@@ -184,7 +184,7 @@ def test_ray_and_torch_keep_their_dirs_beside_the_runs_temp_dir(monkeypatch, tmp
     from ray._common.utils import get_default_system_temp_dir
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from recipes.dapo.run_scope import kept_dirs
+    from recipes.dapo.cluster.run_scope import kept_dirs
 
     for tmpdir in (None, str(tmp_path)):
         for name in ("TMPDIR", "RAY_TMPDIR", "TORCHINDUCTOR_CACHE_DIR"):

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes.dapo import cluster, launch, stack
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.launcher import launch, stack
 
 REPO_ROOT = stack.STACKS.parents[1]
 
@@ -283,9 +284,9 @@ def test_job_env_appends_to_pythonpath_and_imports_no_engine(monkeypatch):
 
 
 def test_the_release_the_tests_read_is_the_one_imported():
-    """tests.mcore_release reads the package metadata (no import at collection): it must name
+    """tests.support.mcore_release reads the package metadata (no import at collection): it must name
     the megatron-core that imports, overlay included (scripts/test.sh's 0.12.1 run)."""
-    from backend.compat import mcore_version
-    from tests.mcore_release import MCORE_RELEASE
+    from backend.platform.compat import mcore_version
+    from tests.support.mcore_release import MCORE_RELEASE
 
     assert MCORE_RELEASE == mcore_version()

@@ -1,4 +1,4 @@
-"""The cluster launcher (scripts/train_mcore.sh -> recipes.dapo.launch): dry runs resolve to
+"""The cluster launcher (scripts/train_mcore.sh -> recipes.launcher.launch): dry runs resolve to
 exactly the verl overrides we expect on Ascend A2 and H100, verl's own config accepts them,
 and misuse stops with one line before anything is started."""
 
@@ -15,11 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo import cluster, launch, lost_node, overrides, resolution, stack
+from recipes.dapo.cluster import lost_node
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.job import overrides
+from recipes.launcher import launch, resolution, stack
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -68,13 +71,13 @@ def cluster_dry_run(device: str, *extra: str) -> list[str]:
 
 def _source_of_truth(device: str):
     """What the launcher's overrides are made of, taken where it takes them: the DAPO
-    settings and token budgets (recipes.dapo.overrides), the A2 environment
-    (recipes.dapo.cluster), the memory model's rollout fit of the shipped plan on the
-    embedded Qwen3-30B-A3B (recipes.dapo.fit) and the default EP skew (parallel.skew)."""
+    settings and token budgets (recipes.dapo.job.overrides), the A2 environment
+    (recipes.dapo.cluster.ray_job), the memory model's rollout fit of the shipped plan on the
+    embedded Qwen3-30B-A3B (recipes.dapo.job.fit) and the default EP skew (parallel.skew)."""
     from parallel.models import load_spec
     from parallel.plan import plan_for_model
     from parallel.skew import default_skew
-    from recipes.dapo.fit import fit_rollout
+    from recipes.dapo.job.fit import fit_rollout
 
     skew = default_skew().value
     model_fit = plan_for_model(load_spec(), 4, 8, tp=4, ep=8, etp=1, pp=1, cp=1)
@@ -140,15 +143,15 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{actor}.optim.weight_decay": D["weight_decay"],
         f"{actor}.optim.clip_grad": D["grad_clip"],
         "actor_rollout_ref.model.path": str(files["--model"]),
-        "actor_rollout_ref.model.external_lib": "recipes.dapo.engine",
-        f"{actor}._target_": "recipes.dapo.config.McoreEpActorConfig",
+        "actor_rollout_ref.model.external_lib": "recipes.dapo.engine.verl_engine",
+        f"{actor}._target_": "recipes.dapo.engine.config.McoreEpActorConfig",
         f"{actor}.strategy": "mcore_ep",
-        f"{engine}._target_": "recipes.dapo.config.McoreEpEngineConfig",
+        f"{engine}._target_": "recipes.dapo.engine.config.McoreEpEngineConfig",
         f"{engine}.tensor_model_parallel_size": 4,
         f"{engine}.expert_model_parallel_size": 8,
         f"{engine}.expert_tensor_parallel_size": 1,
         f"{engine}.pipeline_model_parallel_size": 1,
-        f"{engine}.recompute": fit.recompute,  # recipes.dapo.fit: the least recompute that fits
+        f"{engine}.recompute": fit.recompute,  # recipes.dapo.job.fit: the least recompute that fits
         f"{engine}.param_offload": fit.param_offload,
         f"{engine}.optimizer_offload": fit.optimizer_offload,
         f"{engine}.aux_loss": aux_loss,
@@ -175,9 +178,9 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
         f"{rollout}.val_kwargs.top_k": -1,
         f"{rollout}.val_kwargs.do_sample": True,
         f"{rollout}.val_kwargs.n": 1,
-        # verl's single-turn loop keeping R3's routes uint8 (recipes/dapo/compact_routes.py)
+        # verl's single-turn loop keeping R3's routes uint8 (recipes/dapo/engine/compact_routes.py)
         f"{rollout}.agent.agent_loop_config_path": str(
-            Path(__file__).resolve().parents[1] / "recipes" / "dapo" / "agent_loops.yaml"
+            Path(__file__).resolve().parents[2] / "recipes" / "dapo" / "engine" / "agent_loops.yaml"
         ),
         f"{rollout}.agent.default_agent_loop": "single_turn_compact_routes",
         "reward.reward_manager.name": "dapo",
@@ -243,7 +246,7 @@ def test_verl_composes_and_validates_the_overrides(device, files):
     from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from recipes.dapo.config import McoreEpActorConfig, McoreEpEngineConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig, McoreEpEngineConfig
 
     run = resolved(device, files)
     cli = overrides.to_cli(run.groups)
@@ -272,7 +275,7 @@ def test_the_guards_pass_through_as_the_readme_writes_them(files):
     from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
 
-    from backend.guards import GuardSettings
+    from backend.training.loss_guards import GuardSettings
 
     guard = "+actor_rollout_ref.actor.mcore_ep.guards={entropy_floor:{enable:true,floor:0.3}}"
     assert guard in (REPO / "docs" / "run_health.md").read_text()
@@ -379,7 +382,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     # the node watch reads the cluster's node table from Ray's GCS, which the stand-in lacks
     monkeypatch.setattr(lost_node.NodeWatch, "follow", lambda self, child: None)
 
-    def calls():  # the run's reaper (recipes.dapo.run_scope) starts from the same python
+    def calls():  # the run's reaper (recipes.dapo.cluster.run_scope) starts from the same python
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         return [row for row in rows if not any(a.endswith("reaper.py") for a in row[1])]
 
@@ -404,7 +407,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert args[2:] == overrides.to_cli(expected.groups)
     assert args[-1] == "trainer.total_epochs=1"
     # our engine: loaded by verl's external_lib in the actor's workers, selected by strategy
-    assert "actor_rollout_ref.model.external_lib=recipes.dapo.engine" in args
+    assert "actor_rollout_ref.model.external_lib=recipes.dapo.engine.verl_engine" in args
     assert "actor_rollout_ref.actor.strategy=mcore_ep" in args
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "VERL_USE_EXTERNAL_MODULES" not in env
@@ -437,7 +440,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
                      "actor_rollout_ref.actor.strategy=mcore_ep"):  # fmt: skip
         assert override in cmd, override
     assert env["VERL_PLATFORM"] == "cpu"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.platform"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "recipes.local.cpu.platform"
     assert (tmp_path / "tiny_hf" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "train.parquet").is_file()
     capsys.readouterr()
@@ -506,7 +509,7 @@ def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
 def test_the_cpu_head_sizes_are_vllms():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from recipes.local.cpu_limits import CPU_HEAD_SIZES
+    from recipes.local.cpu.rollout_limits import CPU_HEAD_SIZES
 
     assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
 
@@ -625,7 +628,7 @@ def test_last_complete_checkpoint_is_what_resume_loads(tmp_path):
     """verl's tracker names the step; a checkpoint some rank had not finished (no manifest,
     as after a kill during the save) is passed over for the newest sealed one."""
     from converters.manifest import NAME
-    from recipes.dapo.ckpt_layout import MODEL_DIR, OPTIM_STATE
+    from recipes.dapo.checkpoints.files import MODEL_DIR, OPTIM_STATE
 
     assert lost_node.last_complete_checkpoint(tmp_path) is None  # no tracker: nothing saved
     for step, sealed in ((1, True), (2, False)):

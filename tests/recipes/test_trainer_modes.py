@@ -1,14 +1,15 @@
 """`--trainer-mode`: what each of verl's V1 modes sets, the split and estimate the dry run
-prints, the refusals before Ray, and the lag on the console (recipes.dapo.trainer_modes)."""
+prints, the refusals before Ray, and the lag on the console (recipes.dapo.job.trainer_modes)."""
 
 import io
 
 import pytest
 
-from recipes.dapo import launch, overrides, resolution, trainer_modes
-from recipes.dapo.cluster import LaunchError
-from recipes.dapo.console import Console
-from recipes.dapo.step_line import LAG_LEGEND, lag_parts, step_line
+from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.console.screen import Console
+from recipes.dapo.console.step_line import LAG_LEGEND, lag_parts, step_line
+from recipes.dapo.job import overrides, trainer_modes
+from recipes.launcher import launch, resolution
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

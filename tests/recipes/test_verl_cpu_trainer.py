@@ -1,6 +1,6 @@
 """verl's own DAPO trainer end to end on CPU: the path a cluster runs, with the CPU platform.
 
-`python -m recipes.dapo.launch --device cpu` (what `bash scripts/train_mcore.sh` runs without
+`python -m recipes.launcher.launch --device cpu` (what `bash scripts/train_mcore.sh` runs without
 an accelerator) starts `verl.trainer.main_ppo`: Ray, the V1 trainer with dynamic sampling,
 our mcore_ep engine with megatron-core's distributed optimizer, verl's vLLM rollout (vLLM's CPU
 build, fp32 here so that the sync check is exact; the main job runs it in bf16) fed only by
@@ -8,7 +8,7 @@ verl's weight sync, the dapo reward manager, checkpoints in verl's layout. On th
 (128 experts, top-8) at ep 2, after its SFT warm-up through verl's SFT trainer on the same
 engine (docs/mini_task.md). A few steps each; the learning curve itself is measured by the main command (docs/cpu_run.md). The resume
 (resume_mode=auto) after a lost node and past a half-written background save runs on a
-two-node Ray cluster (tests/test_ray_cluster.py).
+two-node Ray cluster (tests/recipes/test_ray_cluster.py).
 """
 
 import json
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SYNC_TOLERANCE = 1e-4  # rollout (vLLM) vs actor (megatron-core) log-probs, fp32
 FP32_ROLLOUT = "actor_rollout_ref.rollout.dtype=float32"
 # console lines besides the step lines: start-up warnings once each, their counts, alarms,
@@ -33,7 +33,7 @@ STEP_ROW = re.compile(r"^\[[#.]{20}\] +(\d+)/(\d+) \| ")
 
 def launch(out: Path, *flags: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     model = () if "--model" in flags else ("--model", "tiny")  # the default is mini
-    cmd = [sys.executable, "-m", "recipes.dapo.launch", "--device", "cpu", "--ckpt-dir", str(out),
+    cmd = [sys.executable, "-m", "recipes.launcher.launch", "--device", "cpu", "--ckpt-dir", str(out),
            *model, *flags, "--", "trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
            *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
@@ -56,7 +56,7 @@ MINI_EP2 = ("--model", "mini", "--ep", "2", "--warmup-steps", "20")
 MINI_OVERRIDES = ("actor_rollout_ref.rollout.n=8",)
 
 
-# mini_run: tests/conftest.py (a session fixture: tests/test_ab_engines.py compares verl's FSDP
+# mini_run: tests/conftest.py (a session fixture: tests/recipes/test_ab_engines.py compares verl's FSDP
 # actor against the same run)
 
 
@@ -103,7 +103,7 @@ def test_every_weight_sync_gives_the_rollout_the_actors_weights(mini_run):
 
 def test_r3_routes_reach_the_engine_at_one_byte_an_id(mini_run):
     """vLLM's uint8 routes (128 experts) arrive in the engine's batch as uint8 through verl's
-    agent loop, queue and batch (recipes.dapo.compact_routes): catches verl's int16 widening
+    agent loop, queue and batch (recipes.dapo.engine.compact_routes): catches verl's int16 widening
     (twice the bytes of every route on its way) coming back."""
     rows = history(mini_run[0])
     assert [row["actor/moe/rollout_routes/id_bytes"] for row in rows.values()] == [1.0, 1.0]
@@ -158,7 +158,7 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(mini_run):
     out, proc = mini_run
     ckpt = out / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    from recipes.dapo.ckpt_layout import is_complete
+    from recipes.dapo.checkpoints.files import is_complete
 
     for step in (1, 2):  # step 1 written in the background and sealed later, 2 the last
         actor = ckpt / f"global_step_{step}" / "actor"
@@ -167,9 +167,9 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(mini_run):
         assert is_complete(actor)  # every directory sealed with its manifest
         assert json.loads((actor / "meta.json").read_text())["global_step"] == step
     # verl's own data.pt: the exact allow-list the launcher and the engine check it with
-    from converters.safe_pickle import TORCH_SAVE_ALLOWED
-    from recipes.dapo.resume import check_data_state
-    from tests.test_resume import pickled_globals
+    from converters.pickles.safe_pickle import TORCH_SAVE_ALLOWED
+    from recipes.dapo.checkpoints.resume import check_data_state
+    from tests.recipes.test_resume import pickled_globals
 
     check_data_state(ckpt / "global_step_1")
     assert pickled_globals(ckpt / "global_step_1" / "data.pt") == TORCH_SAVE_ALLOWED

@@ -15,13 +15,14 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import response_from_nested
 
-from backend.common import round_up
 from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
+from backend.shared.names import round_up
 from converters.hf_io import read_state_dict
 from converters.sharding import gather_full
 from converters.table import mcore_to_hf
-from recipes.dapo import batches, ckpt_layout, weights
-from recipes.dapo.overrides import AUX_LOSS
+from recipes.dapo.checkpoints import files as ckpt_layout
+from recipes.dapo.engine import batches, weights
+from recipes.dapo.job.overrides import AUX_LOSS
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 
@@ -33,8 +34,8 @@ def build_engine(hf_dir, aux_loss=None, tp=1, ep=1, recompute=False, fast=False,
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    import recipes.dapo.engine  # noqa: F401  (registers the backend)
-    from recipes.dapo.config import McoreEpEngineConfig
+    import recipes.dapo.engine.verl_engine  # noqa: F401  (registers the backend)
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
     engine = EngineRegistry.new(
         model_type="language_model",
@@ -64,7 +65,7 @@ def make_engine(world1, tiny_hf_dir, monkeypatch):
 
 
 def dapo_actor_config():
-    from recipes.dapo.config import McoreEpActorConfig
+    from recipes.dapo.engine.config import McoreEpActorConfig
 
     return McoreEpActorConfig(
         rollout_n=1,
@@ -135,7 +136,7 @@ def hf_log_probs_and_entropy(hf_model, data):
 def test_registered_for_cuda_npu_and_cpu_and_selected_on_cpu(monkeypatch):
     from verl.workers.engine import EngineRegistry
 
-    from recipes.dapo.engine import McoreEpEngine
+    from recipes.dapo.engine.verl_engine import McoreEpEngine
 
     assert set(EngineRegistry._engines["language_model"]["mcore_ep"]) == {"cuda", "npu", "cpu"}
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
@@ -252,11 +253,11 @@ def test_train_batch_steps_with_warmup_and_reports_metrics(make_engine):
 @pytest.mark.parametrize("kind", ["sequence", "global_batch"])
 def test_router_aux_loss_adds_the_reference_gradient(make_engine, world1, tiny_hf_dir, kind):
     """(aux on) - (aux off) of the router gradients under verl's DAPO loss, at world 1, is
-    the aux loss's gradient written out by hand (tests/aux_gradient.py), and the logged
+    the aux loss's gradient written out by hand (tests/support/aux_gradient.py), and the logged
     per-layer values are its values. Catches the aux gradient scaled to 0 (the scale passed
     to backend.aux_loss.attach.with_aux_grad) or never attached, a wrong loss formula."""
-    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
-    from tests.aux_gradient import reference as aux_reference
+    from tests.support.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.support.aux_gradient import reference as aux_reference
 
     data, loss_fn = make_batch(), partial(ppo_loss, config=dapo_actor_config())
     off = make_engine()
@@ -276,10 +277,10 @@ def test_global_counts_from_the_old_log_prob_pass_equal_the_counting_pass(
     """One update per trainer step (the weights of the old-log-prob pass): the f counts the
     update uses are the old-log-prob pass's, and equal the counting pass's, exactly; so are
     the aux loss and every gradient, and the router gradient the aux loss adds is the
-    reference's (tests/aux_gradient.py). Catches stale or partial counts (a difference), and
+    reference's (tests/support/aux_gradient.py). Catches stale or partial counts (a difference), and
     an aux gradient that never reaches the routers (scaled to 0: both runs would agree)."""
-    from tests.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
-    from tests.aux_gradient import reference as aux_reference
+    from tests.support.aux_gradient import assert_aux_gradient, aux_settings, reduced_router_grads
+    from tests.support.aux_gradient import reference as aux_reference
 
     runs, loss_fn = {}, partial(ppo_loss, config=dapo_actor_config())
     for counts in ("counting_pass", "old_log_prob"):
@@ -325,9 +326,9 @@ def test_aux_loss_settings_are_the_ones_the_readme_states():
     from pathlib import Path
 
     from backend.aux_loss import AuxLossConfig
-    from recipes.dapo.config import McoreEpEngineConfig
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
-    readme = " ".join((Path(__file__).parents[1] / "docs" / "aux_loss.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[2] / "docs" / "aux_loss.md").read_text().split())
     default = AuxLossConfig(**McoreEpEngineConfig().aux_loss).describe()
     cluster = AuxLossConfig(**AUX_LOSS).describe()
     assert f"engine default `{default}`" in readme
@@ -443,7 +444,7 @@ def test_checkpoint_from_another_plan_is_refused_with_one_line(make_engine, tmp_
 
 
 def test_micro_batches_respect_the_padded_token_budget():
-    from recipes.dapo.batches import BatchError, plan_by_tokens, split_to
+    from recipes.dapo.engine.batches import BatchError, plan_by_tokens, split_to
 
     lengths = [12, 7, 15, 6, 8, 3]
     plans = plan_by_tokens(lengths, budget=32, multiple=4)
@@ -464,7 +465,7 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make
     """Resume reads nothing megatron would unpickle before the manifest and allow-list pass,
     nor lets verl unpickle its data.pt (verl loads it once load_checkpoint has returned)."""
     from converters.hf_io import CheckpointError
-    from tests.test_safe_checkpoints import _call
+    from tests.converters.test_safe_checkpoints import _call
 
     root = tmp_path / "global_step_1" / "actor"
     make_engine().save_checkpoint(str(root), global_step=1)
@@ -488,7 +489,7 @@ def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make
     elif damage == "no manifest":
         (model_dir / "manifest.json").unlink()
     else:
-        from tests.test_resume import crafted_data_state
+        from tests.recipes.test_resume import crafted_data_state
 
         crafted_data_state(root.parent / "data.pt", victim)
     with pytest.raises(CheckpointError) as err:
@@ -506,7 +507,7 @@ def test_the_resume_checkpoint_named_to_the_engine_is_checked_when_it_starts(
     loaded without reading every byte again, unless a file changed after the check. Catches
     an early check that never runs, and a load that trusts a check its files outgrew."""
     from converters.hf_io import CheckpointError
-    from recipes.dapo import weights
+    from recipes.dapo.engine import weights
 
     root = tmp_path / "global_step_1" / "actor"
     make_engine().save_checkpoint(str(root), global_step=1)
@@ -598,7 +599,7 @@ def test_comm_share_over_30_percent_warns_into_the_routing_report(make_engine, c
     (warning,) = engine.routing.monitor.report()["warnings"]
     assert warning["kind"] == "comm_share" and warning["comm_share"] == 0.45
     assert "communication takes 45% of the step" in caplog.text
-    # one CPU rank: no "keep EP and TP inside a node" (backend.comm_share.CommLayout)
+    # one CPU rank: no "keep EP and TP inside a node" (backend.instruments.comm_share.CommLayout)
     assert "one rank, no collective" in warning["text"] and "inside a node" not in warning["text"]
 
 

@@ -2,7 +2,7 @@
 spawn) against world size 1: the same log-probs, gradient norm and updated weights under
 verl's DAPO loss, the same HF weights streamed for rollout sync (gathered over TP and EP),
 the router aux loss's gradient after megatron-core DDP's reduction equal to the hand-written
-reference (tests/aux_gradient.py), and the old-log-prob pass's aux-loss counts summed over
+reference (tests/support/aux_gradient.py), and the old-log-prob pass's aux-loss counts summed over
 ranks."""
 
 import os
@@ -11,8 +11,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.mcore_release import MCORE_RELEASE
-from tests.multiproc import run_plans, run_ranks
+from tests.support.mcore_release import MCORE_RELEASE
+from tests.support.multiproc import run_plans, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ AUX_KINDS = {"sequence": {}, "global_batch": {"global_counts": "old_log_prob"}}
 def _batch(dp: int, replica: int | None = None):
     """Replica `replica`'s rows (its own lengths: EP peers' micro-batches differ in shape),
     or with None the rows of all dp replicas: world size 1's batch."""
-    from tests.test_verl_engine import make_batch
+    from tests.recipes.test_verl_engine import make_batch
 
     replicas = range(dp) if replica is None else (replica,)
     return make_batch(seeds=tuple(replicas), lengths=[REPLICA_LENGTHS[r] for r in replicas])
@@ -45,7 +45,7 @@ def _loss():
 
     from verl.workers.utils.losses import ppo_loss
 
-    from tests.test_verl_engine import dapo_actor_config
+    from tests.recipes.test_verl_engine import dapo_actor_config
 
     return partial(ppo_loss, config=dapo_actor_config())
 
@@ -55,15 +55,15 @@ def engine_rank(rank: int, hf_dir: str, tp: int, ep: int) -> dict:
     DAPO train step; then per aux-loss kind an engine with the aux loss on: its old-log-prob
     counts (global_batch) and router gradient."""
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     from verl.workers.utils.padding import response_from_nested
 
     from backend.qwen3_moe import unfuse_experts
     from converters.hf_io import read_state_dict
-    from tests import test_verl_engine as t
-    from tests.aux_gradient import aux_settings, reduced_router_grads
+    from tests.recipes import test_verl_engine as t
+    from tests.support.aux_gradient import aux_settings, reduced_router_grads
 
     engine = t.build_engine(hf_dir, tp=tp, ep=ep)
     dp_rank = engine.get_data_parallel_rank()
@@ -108,7 +108,7 @@ def world1_run(world1, tiny_hf_dir) -> dict:
     """World size 1 on each dp's whole batch: log-probs, the train step, updated weights."""
     from verl.workers.utils.padding import response_from_nested
 
-    from tests.test_verl_engine import build_engine
+    from tests.recipes.test_verl_engine import build_engine
 
     runs = {}
     with pytest.MonkeyPatch.context() as env:
@@ -128,7 +128,7 @@ def world1_run(world1, tiny_hf_dir) -> dict:
 @pytest.fixture(scope="module")
 def aux_references(world1, tiny_hf_dir) -> dict:
     """Per aux-loss kind, tests/aux_gradient.reference of the dp2 plans' whole batch."""
-    from tests.aux_gradient import reference
+    from tests.support.aux_gradient import reference
 
     return {kind: reference(world1, tiny_hf_dir, kind, _batch(2)) for kind in AUX_KINDS}
 
@@ -163,7 +163,7 @@ def test_parallel_engine_matches_world1(tp, ep, ranks, world1_run, tiny_hf_dir, 
     assert all(r["grad_norm"] is not None for r in results) == (tp == 1)
     rows_per_rank = len(ref["log_probs"]) // dp
     # replicas drift apart when a gradient misses the reduction over its replicas
-    # (tp2/etp1/ep1 experts before backend.model.tag_expert_replicas)
+    # (tp2/etp1/ep1 experts before backend.model.build.tag_expert_replicas)
     first = results[0]["updated"]
     for rank, r in enumerate(results[1:], start=1):
         drifted = [k for k, v in r["updated"].items() if not torch.equal(v, first[k])]
@@ -192,9 +192,9 @@ def test_aux_gradient_under_ddp_equals_the_reference(tp, ep, kind, ranks, aux_re
     """dp2 (ep2: expert-parallel peers are DP replicas; ep1), megatron-core DDP averaging over
     DP: (aux on) - (aux off) router gradients after the reduction are the whole batch's
     reference aux gradient, on every rank. Catches a missing DP scale of the aux gradient
-    (backend.instruments.aux_grad_scale returning 1: half the gradient), the aux gradient
+    (backend.instruments.router_instruments.aux_grad_scale returning 1: half the gradient), the aux gradient
     scaled to 0, counts or normalisers not summed over DP."""
-    from tests.aux_gradient import assert_aux_gradient
+    from tests.support.aux_gradient import assert_aux_gradient
 
     ref = aux_references[kind]
     for rank, r in enumerate(ranks[(tp, ep)]):
@@ -208,8 +208,8 @@ def test_old_log_prob_counts_sum_over_ranks(tp, ep, ranks, world1, tiny_hf_dir, 
     size 1's over the whole batch: every rank holds the same global f."""
     if (tp, ep) not in ranks:
         pytest.skip("megatron-core < 0.13 cannot run tp=2 with ep=1 and etp=1")
-    from tests.aux_gradient import aux_settings
-    from tests.test_verl_engine import build_engine
+    from tests.recipes.test_verl_engine import build_engine
+    from tests.support.aux_gradient import aux_settings
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     engine = build_engine(

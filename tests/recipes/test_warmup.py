@@ -14,22 +14,24 @@ def test_sft_config_is_verls_with_our_engine_section(tmp_path):
     from, or one whose engine section our config class refuses."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from recipes.dapo.config import McoreEpEngineConfig
+    from recipes.dapo.engine.config import McoreEpEngineConfig
 
     cfg = sft_config(tmp_path / "m", tmp_path / "d.parquet", tmp_path / "o", 7,
                      {"tp": 1, "ep": 2}, world=2)  # fmt: skip
     engine = omega_conf_to_dataclass(cfg.engine)
     assert isinstance(engine, McoreEpEngineConfig)
     assert (engine.strategy, engine.expert_model_parallel_size) == ("mcore_ep", 2)
-    assert cfg.model.external_lib == "recipes.dapo.engine"  # registers mcore_ep in the ranks
+    assert (
+        cfg.model.external_lib == "recipes.dapo.engine.verl_engine"
+    )  # registers mcore_ep in the ranks
     assert cfg.trainer.total_training_steps == 7 and cfg.data.pad_mode == "no_padding"
 
 
 def test_a_failed_warm_up_names_its_log_and_leaves_no_model(tmp_path):
     """Catches a failed SFT taken for a model (RL would start from the random weights) or an
     error that hides where the trainer's traceback is. (The warm-up that works: the mini
-    model's in tests/test_verl_cpu_trainer.py, before its RL steps.)"""
-    from recipes.local.models import make_built
+    model's in tests/recipes/test_verl_cpu_trainer.py, before its RL steps.)"""
+    from recipes.local.task.built_models import make_built
 
     base = make_built(tmp_path, "tiny")
     with pytest.raises(WarmupError, match=r"SFT warm-up failed \(exit \d+\): see .*log.txt"):

@@ -1,4 +1,4 @@
-"""The gloo weight channel (recipes.dapo.weight_channel) through verl's own protocol: prepare
+"""The gloo weight channel (recipes.dapo.engine.weight_channel) through verl's own protocol: prepare
 on every rank, the topology from the class, init, send/receive, finalize. Ranks are threads
 of one process here; in a run they are the actor's and the rollout's Ray workers."""
 
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("verl")
 from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 
-from recipes.dapo import weight_channel  # noqa: E402
+from recipes.dapo.engine import weight_channel
 
 
 def _weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import async_modes  # noqa: E402
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)

@@ -1,5 +1,5 @@
 """The log-prob heads benchmark runs end to end at a toy size (its children, its tables), and
-the head's measured peaks are parallel/heads.py's estimates."""
+the head's measured peaks are parallel/head_memory.py's estimates."""
 
 import importlib.util
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the head alone (--scope head), fp32: T = 2048 tokens in chunks of 256 (16 MiB at V 16384),
 # so the lean head holds two chunk buffers where the full one holds [T, V] logits and copies
 TOY = ["--scope", "head", "--tokens", "2048", "--seq", "256", "--vocab", "16384"]
@@ -19,11 +19,11 @@ MODEL_RTOL = (0.9, 1.15)  # measured / estimate: 1.01-1.08 at this size
 @pytest.mark.slow
 @pytest.mark.bench
 def test_toy_run_measures_what_the_memory_model_estimates(tmp_path, capsys):
-    """Every head and pass measured, each peak within MODEL_RTOL of parallel/heads.py's
+    """Every head and pass measured, each peak within MODEL_RTOL of parallel/head_memory.py's
     estimate, the lean log-prob pass under a tenth of the full one. Catches the lean head
     holding a third chunk buffer (its backward's previous chunk gradient kept: 1.45x), the
     lean head holding the logits (one chunk of T tokens), a memory model that drifts from
-    the code (parallel.heads.LEAN_CHUNK_BUFFERS = 1: 2x)."""
+    the code (parallel.head_memory.LEAN_CHUNK_BUFFERS = 1: 2x)."""
     spec = importlib.util.spec_from_file_location("lph", ROOT / "scripts/bench/logprob_heads.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -35,7 +35,7 @@ def test_toy_run_measures_what_the_memory_model_estimates(tmp_path, capsys):
     assert all(r["seconds"] > 0 for r in results)
     assert json.loads(out.read_text())["results"] == results
     printed = capsys.readouterr().out
-    assert "mem ratio" in printed and "measured / parallel/heads.py's estimate" in printed
+    assert "mem ratio" in printed and "measured / parallel/head_memory.py's estimate" in printed
     low, high = MODEL_RTOL
     for r in results:
         ratio = r["peak_bytes"] / r["model_bytes"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/bench/packed_layers.py"
 # the device machine has no verl: block it, so any import of it in the chain fails the run
 NO_VERL = (

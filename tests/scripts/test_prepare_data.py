@@ -1,4 +1,4 @@
-"""scripts/prepare_data.py and recipes.dapo.data: what a DAPO dataset must hold, said clearly."""
+"""scripts/prepare_data.py and recipes.launcher.datasets: what a DAPO dataset must hold, said clearly."""
 
 import dataclasses
 import importlib.util
@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recipes.dapo import data
+from recipes.launcher import datasets as data
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
 
 
 def write_dataset(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import replay_modes  # noqa: E402
 
 AGREE, MATCH, DIFF = replay_modes.AGREE, replay_modes.MATCH, replay_modes.DIFF

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.bad_inputs import NO_INDEX, resolve_script
+from tests.support.bad_inputs import NO_INDEX, resolve_script
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "scripts" / "bench"
+BENCH = Path(__file__).parents[2] / "scripts" / "bench"
 
 
 def _bench_module(name: str):

@@ -1,17 +1,17 @@
 """The mcore_ep engine's router aux-loss gradient against the hand-written reference.
 
 (aux on) - (aux off): the router weights' gradients of the same batch and verl loss through
-two engines, read after megatron-core DDP's reduction (backend.optim's reduce_grads: the DP
+two engines, read after megatron-core DDP's reduction (backend.training.optim's reduce_grads: the DP
 mean), against tests/test_aux_loss_hook.reference_step on one rank, the aux loss's gradient
 written out directly from the routers' outputs over the whole batch. At dp > 1 the two agree
-only through the aux gradient's DP scale (backend.instruments.aux_grad_scale).
+only through the aux gradient's DP scale (backend.instruments.router_instruments.aux_grad_scale).
 """
 
 import torch
 import torch.distributed as dist
 
-from recipes.dapo import batches
-from tests.test_aux_loss_hook import COEFF, Z_COEFF, _tiny_mcore, reference_step
+from recipes.dapo.engine import batches
+from tests.backend.test_aux_loss_hook import COEFF, Z_COEFF, _tiny_mcore, reference_step
 
 # reference_step's coefficients; tokens: the responses, as the cluster recipe counts them
 SCOPE = "response"

@@ -1,4 +1,4 @@
-"""A row of tests/bad_inputs.py (`Case`) and the scratch it is made in (`Ctx`)."""
+"""A row of tests/support/bad_inputs.py (`Case`) and the scratch it is made in (`Ctx`)."""
 
 import json
 import shutil

@@ -1,6 +1,6 @@
 """The bad inputs tried on every CLI: one list, from which both the test
 (tests/test_bad_inputs.py runs each row) and the table in docs/bad_inputs.md are made
-(`.venv/bin/python -m tests.bad_inputs > docs/bad_inputs.md`; a test checks it is current).
+(`.venv/bin/python -m tests.support.bad_inputs > docs/bad_inputs.md`; a test checks it is current).
 
 Each row: the CLI, what is wrong, how the input is made (`setup(ctx)` returns the argv), the
 exit code, and the one line printed (stderr; stdout for a finding, exit 1, or for a leftover
@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.bad_input_case import Case, Ctx
-from tests.bad_inputs_model import LOCAL_MODEL
+from tests.support.bad_input_case import Case, Ctx
+from tests.support.bad_inputs_model import LOCAL_MODEL
 
 
 def _m2h(ckpt, ctx: Ctx, *flags) -> list:
@@ -28,7 +28,7 @@ def _m2h(ckpt, ctx: Ctx, *flags) -> list:
 
 
 def _dotted_metadata(ctx: Ctx) -> Path:
-    from tests.test_safe_checkpoints import _call
+    from tests.converters.test_safe_checkpoints import _call
 
     ckpt = ctx.copy(ctx.mcore, "m")
     (ckpt / ".metadata").write_bytes(
@@ -66,7 +66,7 @@ def _v1_manifest(ctx: Ctx) -> Path:
 
 def _hold_lock(ctx: Ctx, argv: list) -> list:
     """A writer (this process) holds {tmp}/out while the CLI (argv) tries to write it."""
-    from backend.atomic_outputs import output_lock
+    from backend.shared.atomic_outputs import output_lock
     from converters.errors import ConversionError
 
     lock = output_lock((ctx.tmp / "out").absolute(), ConversionError)
@@ -356,7 +356,7 @@ def _verify_crafted(ctx: Ctx, name: str) -> list:
     import torch
 
     from converters.manifest import hash_file
-    from tests.test_safe_checkpoints import _call, _System
+    from tests.converters.test_safe_checkpoints import _call, _System
 
     ckpt = ctx.copy(ctx.mcore, "m")
     if name == ".metadata":
@@ -401,7 +401,7 @@ def _resume_run(ctx: Ctx, data_state: str = "genuine", model: str = "intact") ->
         (step / "data.pt").write_bytes(pickle.dumps(_Exec("print('ran')")))
     else:
         torch.save(state, step / "data.pt")
-    from tests.test_safe_checkpoints import _call, _System
+    from tests.converters.test_safe_checkpoints import _call, _System
 
     if model == "crafted .metadata":
         payload = _call(
@@ -447,7 +447,7 @@ def _engine_check(ctx: Ctx) -> str:
 
 
 def _unscorable(ctx: Ctx) -> list:
-    from tests.test_prepare_data import write_dataset
+    from tests.scripts.test_prepare_data import write_dataset
 
     path = write_dataset(ctx.tmp / "t.parquet", prompts=3, source="gsm8k")
     return ["--device", "cuda", "--dry-run", "--train-file", path]
@@ -751,7 +751,7 @@ PLANNER = [
 
 
 def _report(ctx: Ctx, name: str = "a.json", **kw) -> Path:
-    from tests.test_monitor_report import BALANCED_LE, _write
+    from tests.backend.test_monitor_report import BALANCED_LE, _write
 
     return _write(ctx.tmp / name, [BALANCED_LE], **kw)
 
@@ -886,7 +886,7 @@ MONITOR = [
 @functools.cache
 def resolve_script():
     """scripts/stacks/resolve.py as a module (it is a script, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "stacks" / "resolve.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "stacks" / "resolve.py"
     spec = importlib.util.spec_from_file_location("stacks_resolve", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -973,12 +973,12 @@ RAY_NODE = [
 CASES = CONVERTERS + PLANNER + LOCAL_MODEL + RAY_NODE + MONITOR + RESOLVE
 HEADER = """# Bad inputs tried per CLI
 
-Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/bad_inputs.py`): the
+Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/support/bad_inputs.py`): the
 exit code and the one line printed (on stderr; on stdout for the findings, exit 1, and for a
 leftover a run cleans up, exit 0). Paths:
 `{tmp}` the run's scratch dir, `{hf}` a tiny HF model, `{mcore}` its dist checkpoint; `{...}`
 elsewhere stands for a detail of the run (a byte range, the library's own wording).
-Exit codes: `backend/cli_contract.py`.
+Exit codes: `backend/shared/cli_contract.py`.
 """
 
 

@@ -1,4 +1,4 @@
-"""The local run's `--model DIR` refusals, rows of tests/bad_inputs.py: each broken model
+"""The local run's `--model DIR` refusals, rows of tests/support/bad_inputs.py: each broken model
 directory is one line, exit 2, before Ray starts and before anything is written (the run's
 --ckpt-dir, {tmp}/out, stays absent). {hf} has the tiny model's weights; `_user_model` adds
 the task's tokenizer (with its chat template) so that only the named part is wrong."""
@@ -6,12 +6,12 @@ the task's tokenizer (with its chat template) so that only the named part is wro
 import json
 from pathlib import Path
 
-from tests.bad_input_case import Case, Ctx
+from tests.support.bad_input_case import Case, Ctx
 
 
 def _user_model(ctx: Ctx, tokenizer: bool = True, template: bool = True, **config) -> Path:
     """{tmp}/m: the tiny model (+ tokenizer), config.json changed by `config`."""
-    from recipes.local.task import write_tokenizer
+    from recipes.local.task.doubles import write_tokenizer
 
     model = ctx.copy(ctx.hf, "m")
     if tokenizer:

@@ -1,5 +1,5 @@
 """A stand-in for verl's trainer that leaves behind what Ray and vLLM leave
-(tests/test_run_leftovers.py), started by the launcher's machinery with the run's environment.
+(tests/recipes/test_run_leftovers.py), started by the launcher's machinery with the run's environment.
 
 Three holders, each mapping a POSIX shared-memory segment of its own (psm_*, as vLLM's message
 queues) that nothing will unlink (it is taken off multiprocessing's resource tracker, as a

@@ -3,7 +3,7 @@
 
 import torch
 
-from tests.multiproc import loaded_model
+from tests.support.multiproc import loaded_model
 
 BATCH, SEQ = 3, 12  # SEQ a multiple of tp (sequence parallel)
 CHUNK_TOKENS = 7  # several chunks, one of them partial, over BATCH * SEQ = 36 tokens
@@ -19,8 +19,8 @@ def temperatures(kind: str):
 
 def compare_heads(model, vocab: int, temperature, entropy: bool) -> dict:
     """Outputs and grads (output weight, final norm, all params) of both heads, same loss."""
-    import backend.lean_head as lean_head
-    from recipes.dapo.heads import head_outputs
+    import backend.model.lean_head as lean_head
+    from recipes.dapo.engine.logprobs import head_outputs
 
     lean_head.CHUNK_BYTES = (
         4 * CHUNK_TOKENS * lean_head.output_weight_VH(lean_head.gpt_of(model)).shape[0]
@@ -44,7 +44,7 @@ def compare_heads(model, vocab: int, temperature, entropy: bool) -> dict:
 
 
 def run_tp(rank: int, hf_dir: str, tp: int, temperature_kind: str, entropy: bool) -> dict:
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     model, spec, _ = loaded_model(hf_dir, tp=tp, etp=tp)

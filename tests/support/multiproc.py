@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
-           "backend.model", "backend.distributed", "converters.sharding"]  # fmt: skip
+           "backend.model.build", "backend.training.distributed", "converters.sharding"]  # fmt: skip
 _CONTEXT = None
 
 
@@ -59,7 +59,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     """fn(rank, *args) on `world` processes; returns the per-rank results in rank order.
 
     fn must be a module-level function (the forkserver pickles it by name) and must itself
-    call backend.device.prepare_device and init_parallel.
+    call backend.platform.device.prepare_device and init_parallel.
     """
     ctx = _context()
     queue = ctx.Queue()
@@ -109,7 +109,7 @@ def run_plans(fn, world: int, plans: list, *args, timeout: float = 300.0) -> lis
 
 def job_plan(**dims: int):
     """The ParallelPlan of these sizes over this job's ranks (init_parallel's argument)."""
-    from backend.distributed import job_world
+    from backend.training.distributed import job_world
     from parallel.plan import ParallelPlan
 
     return ParallelPlan.for_world(job_world(), **dims)
@@ -118,9 +118,9 @@ def job_plan(**dims: int):
 def loaded_model(hf_dir: str, opts=None, **dims: int):
     """(model, spec, groups): this rank's shard of the HF checkpoint's model at the plan of
     `dims` over this job's ranks (call prepare_device first)."""
-    from backend.distributed import init_parallel
-    from backend.model import build_model
+    from backend.model.build import build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
+    from backend.training.distributed import init_parallel
     from converters.hf_io import read_state_dict
     from converters.sharding import load_hf_sharded
 

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import loaded_model
+from tests.support.multiproc import loaded_model
 
 BATCH, SEQ = 4, 16
 
@@ -14,7 +14,7 @@ def global_batch(vocab: int) -> torch.Tensor:
 
 def _pipeline_forward_backward(model, groups, ids, loss_fn):
     """Two-stage handoff (pp=2) through GPTModel's own stage split; returns last-stage logits."""
-    from backend.forward import forward_logits
+    from backend.model.forward import forward_logits
 
     stage, b, s = groups.rank("pp"), ids.shape[0], ids.shape[1]
     hidden_shape = (s // groups.size("tp"), b, model.config.hidden_size)
@@ -55,15 +55,15 @@ def run_plan(
 
     fast: our GroupedExperts + SDPAttention instead of megatron-core's local modules.
     untagged_norms: norms as on Ascend, which the shim does not build (see _untagged_norms)."""
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     if untagged_norms:
         _untagged_norms()
-    from backend.forward import token_log_probs
-    from backend.model import BuildOptions
+    from backend.model.build import BuildOptions
+    from backend.model.forward import token_log_probs
     from converters.sharding import gather_full
-    from tests.reference_actor import sync_grads
+    from tests.support.reference_actor import sync_grads
 
     modules = dict(experts="grouped", attention="sdpa") if fast else {}
     model, spec, groups = loaded_model(
@@ -83,7 +83,7 @@ def run_plan(
         return loss
 
     if pp == 1:
-        from backend.forward import forward_logits
+        from backend.model.forward import forward_logits
 
         loss_fn(forward_logits(model, ids)).backward()
     else:
@@ -112,11 +112,11 @@ def _gather_vocab(logits_BSV, groups):
 
 def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) -> dict:
     """One McoreActor step (token-mean NLL, clipped AdamW) at a plan; its full synced grads."""
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
     from converters.sharding import gather_full
-    from tests.reference_actor import McoreActor, OptimConfig
+    from tests.support.reference_actor import McoreActor, OptimConfig
 
     model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep)
     actor = McoreActor(model, groups, OptimConfig(lr=1e-2, grad_clip=max_norm))
@@ -147,11 +147,11 @@ def routed_plan(rank: int, hf_dir: str, tp: int, ep: int, pp: int, etp: int = 1)
     """Forward only at this plan: the logits (full vocabulary, last stage) and, per layer this
     rank routes, the experts chosen for its tokens [S(/tp), B/dp, K] (sequence parallel: the
     TP rank's contiguous slice of S)."""
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     prepare_device("cpu")
-    from backend.forward import forward_logits
-    from backend.router_tap import RouterTap
+    from backend.instruments.router_tap import RouterTap
+    from backend.model.forward import forward_logits
 
     model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep, pp=pp, etp=etp)
     ids = global_batch(spec.vocab_size).chunk(groups.size("dp"))[groups.rank("dp")]

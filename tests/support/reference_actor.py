@@ -1,9 +1,9 @@
 """A hand-written reference actor: the tests' independent check of what the engine's optimizer
-(backend.optim: megatron-core DDP + finalize_model_grads + distributed optimizer) does.
+(backend.training.optim: megatron-core DDP + finalize_model_grads + distributed optimizer) does.
 
 Log-probs, micro-batched forward/backward with a given loss, then gradient synchronisation
 and clipping written out against our explicit groups (same code on gloo and accelerators),
-torch AdamW and backend.optim's warm-up. Used to cross-check parallel plans (tests/
+torch AdamW and backend.training.optim's warm-up. Used to cross-check parallel plans (tests/
 parallel_ranks.py, test_actor.py, test_aux_loss_hook.py); the engine never runs it.
 
 - dense parameters are replicated over the attention DP group: sum over dp;
@@ -11,7 +11,7 @@ parallel_ranks.py, test_actor.py, test_aux_loss_hook.py); the engine never runs 
 - with sequence parallelism each TP rank saw a slice of the tokens, so norms and the router
   (tagged `sequence_parallel`) and the q/k norms (heads split over TP) sum over tp.
 Losses are expected to be already normalised by the global token count, so DP ranks *sum*
-(backend.optim.DP_REDUCTION is "mean": megatron's DDP averages, verl scales its loss by dp).
+(backend.training.optim.DP_REDUCTION is "mean": megatron's DDP averages, verl scales its loss by dp).
 
 Batches are dicts of tensors with `input_ids` [B, S] (right-padded) plus whatever the loss
 needs; a loss function receives the micro-batch and its next-token log-probs [B, S-1] and
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
-from backend.forward import next_token_log_probs
-from backend.model import is_expert
-from backend.optim import warmup_factor
+from backend.model.build import is_expert
+from backend.model.forward import next_token_log_probs
+from backend.training.distributed import ProcessGroups
+from backend.training.optim import warmup_factor
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 

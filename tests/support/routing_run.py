@@ -4,7 +4,7 @@ updates folded into backend.monitor's LoadHistory, the report built and saved by
 
 The router: per layer, logits of a lognormal-ish spread, a few hot experts (+2.5), some dead
 ones (never picked), each token's top-k by Gumbel sampling: a few experts near 10x the mean,
-a long tail, zeros. tests/test_monitor_experts.py renders it at 128 experts x 4 and 48 layers.
+a long tail, zeros. tests/backend/test_monitor_experts.py renders it at 128 experts x 4 and 48 layers.
 """
 
 import torch

@@ -7,7 +7,7 @@ expert t % (E/ep) of every EP rank (top_k == ep in the tiny model), so both rank
 
 import torch
 
-from tests.multiproc import job_plan
+from tests.support.multiproc import job_plan
 
 TOKENS = 64
 
@@ -32,17 +32,17 @@ def _forced(mode: str, num_experts: int, ep: int):
 
 def skewed_and_balanced(rank: int, assumed_skew: float) -> dict:
     """Saved bytes of the decoder layers, and the SkewGuard's warnings, for both routings."""
-    from backend.device import prepare_device
+    from backend.platform.device import prepare_device
 
     device = prepare_device("cpu")
-    from backend.distributed import init_parallel
-    from backend.forward import forward_logits
-    from backend.model import BuildOptions, build_model
+    from backend.instruments.router_tap import RouterTap, router_modules
+    from backend.model.build import BuildOptions, build_model
+    from backend.model.forward import forward_logits
     from backend.monitor import ExpertLoadMonitor, SkewGuard
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from backend.router_tap import RouterTap, router_modules
+    from backend.training.distributed import init_parallel
     from parallel.measure import saved_bytes_inside
-    from recipes.local.tiny_model import tiny_config
+    from recipes.local.task.hf_checkpoints import tiny_config
 
     groups = init_parallel(device, job_plan(ep=2))
     spec = load_qwen3_moe_spec(tiny_config())

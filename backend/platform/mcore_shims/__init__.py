@@ -6,7 +6,7 @@ for that device; the device layer calls it before any model code imports megatro
 module per area: cuda_device (torch.cuda calls), cuda_literals (tensors built on 'cuda' by
 name), without_te (TransformerEngine / Apex assumed), dist_optimizer, grad_norms,
 dist_checkpointing, jit_fuser (torch.compile'd kernels). Official flags are used instead of
-shims wherever megatron-core has one (see backend.model):
+shims wherever megatron-core has one (see backend.model.build):
 
 - RNG: model_parallel_cuda_manual_seed(..., inference_rng_tracker=True) (no CUDA RNG state),
 - dispatcher: moe_token_dispatcher_type="allgather" on CPU (alltoall creates CUDA streams),
@@ -19,28 +19,28 @@ Measured on megatron-core 0.12.1, 0.16.1 and 0.19.2 with torch 2.13 (CPU); each 
 `releases` were read in those releases' sources.
 """
 
-from backend.mcore_shims.cuda_device import (
+from backend.platform.mcore_shims.cuda_device import (
     CUDA_CURRENT_DEVICE_IS_CPU,
     CUDA_CURRENT_STREAM_IS_NONE,
     CUDA_RNG_STATE_IS_EMPTY,
     CUDA_SYNCHRONIZE_IS_NOOP,
 )
-from backend.mcore_shims.cuda_literals import (
+from backend.platform.mcore_shims.cuda_literals import (
     OPTIMIZER_CUDA_LITERALS_ARE_CPU,
     SCHEDULE_CUDA_LITERALS_ARE_CPU,
 )
-from backend.mcore_shims.dist_checkpointing import (
+from backend.platform.mcore_shims.dist_checkpointing import (
     DIST_CKPT_NUMPY_PRODUCT,
     DIST_CKPT_WRITE_ITEM_FORMAT,
 )
-from backend.mcore_shims.dist_optimizer import (
+from backend.platform.mcore_shims.dist_optimizer import (
     DIST_OPTIM_FP32_CPU_PARAMS,
     DIST_OPTIM_LOAD_ADAM_STEP,
 )
-from backend.mcore_shims.grad_norms import CLIP_GRADS_CPU, LOCAL_L2_NORM_ON_CPU
-from backend.mcore_shims.jit_fuser import JIT_FUSER_WITHOUT_INDUCTOR, compiled_functions
-from backend.mcore_shims.shim import TESTED_RELEASES, Shim
-from backend.mcore_shims.without_te import (
+from backend.platform.mcore_shims.grad_norms import CLIP_GRADS_CPU, LOCAL_L2_NORM_ON_CPU
+from backend.platform.mcore_shims.jit_fuser import JIT_FUSER_WITHOUT_INDUCTOR, compiled_functions
+from backend.platform.mcore_shims.shim import TESTED_RELEASES, Shim
+from backend.platform.mcore_shims.without_te import (
     FP8_QUANTIZE_WITHOUT_TE,
     TE_GENERAL_GEMM_PLACEHOLDER,
     TORCH_NORM_SEQUENCE_PARALLEL,

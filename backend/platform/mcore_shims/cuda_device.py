@@ -3,7 +3,7 @@ synchronize) on a machine without CUDA."""
 
 import torch
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _cpu_current_device() -> torch.device:

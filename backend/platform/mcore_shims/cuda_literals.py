@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.optimizer",

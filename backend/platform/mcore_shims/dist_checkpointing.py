@@ -3,7 +3,7 @@
 import importlib
 import types
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _patch_write_item_format() -> None:
@@ -11,7 +11,7 @@ def _patch_write_item_format() -> None:
 
     from torch.distributed.checkpoint import filesystem
 
-    from backend.compat import mcore_version
+    from backend.platform.compat import mcore_version
 
     if mcore_version().release >= (0, 13) or not hasattr(filesystem, "SerializationFormat"):
         return
@@ -26,7 +26,7 @@ def _patch_write_item_format() -> None:
 def _patch_numpy_product() -> None:
     import numpy as np
 
-    from backend.compat import mcore_version
+    from backend.platform.compat import mcore_version
 
     if mcore_version().release >= (0, 13) or hasattr(np, "product"):
         return

@@ -2,7 +2,7 @@
 
 import torch
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _patch_dist_optim_fp32_params() -> None:
@@ -65,7 +65,7 @@ DIST_OPTIM_FP32_CPU_PARAMS = Shim(
 DIST_OPTIM_LOAD_ADAM_STEP = Shim(
     name="dist_optim_load_adam_step",
     why="with torch's Adam (no Apex/TE FusedAdam) every param state holds a 'step'; "
-    "megatron-core 0.12.1's loads (dp_zero_gather_scatter, which backend.optim saves there, "
+    "megatron-core 0.12.1's loads (dp_zero_gather_scatter, which backend.training.optim saves there, "
     "and fully_sharded_model_space) pass no 'step' (it is restored from param_groups) and "
     "then copy every state key, so KeyError; a missing 'step' is copied from the state "
     "itself (no-op with FusedAdam, and with 0.16.1's dp_reshardable, which saves 'step')",

@@ -2,7 +2,7 @@
 
 import torch
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _patch_clip_grads_cpu() -> None:

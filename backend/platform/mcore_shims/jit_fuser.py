@@ -4,7 +4,7 @@ npu), and `compiled_functions`, which lists the ones still compile-wrapped."""
 import inspect
 import sys
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _noop_decorator(func):

@@ -1,6 +1,6 @@
 """Shims for megatron-core code that assumes TransformerEngine (or Apex) is installed."""
 
-from backend.mcore_shims.shim import Shim
+from backend.platform.mcore_shims.shim import Shim
 
 
 def _patch_te_general_gemm() -> None:

@@ -2,7 +2,7 @@
 
 A save (`CheckpointWriter`, one per engine) goes through three phases:
 1. written: per torch_dist directory, `dist_checkpointing.save(..., async_sharded_save=True)`
-   with the cached strategy (recipes.dapo.save_plans) returns an AsyncRequest; the save's
+   with the cached strategy (recipes.dapo.checkpoints.save_plans) returns an AsyncRequest; the save's
    requests, joined into one (`one_writer`), are scheduled on megatron-core's
    `AsyncCallsQueue` (its default caller: a forked writer process per rank). The step goes
    on meanwhile;
@@ -22,7 +22,7 @@ Why a pending write never reads state a later optimizer step changes: device ten
 copied to host buffers of their own before the writer starts (megatron-core's preload_fn),
 and the writer is a fork, whose view of host memory is a copy-on-write snapshot taken when it
 starts. Host-resident state (the optimizer state under offload, everything on CPU) is thus
-written as it was at the save, whatever the parent does next (tests/test_async_save.py).
+written as it was at the save, whatever the parent does next (tests/recipes/test_async_save.py).
 Device shards are planned as views and copied only when the writer starts (megatron-core
 clones CPU views at planning), so the engine offloads (verl's param offload frees that
 storage) only after `commit` has started the writer.
@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.dapo.ckpt_layout import write_tracker
-from recipes.dapo.save_plans import SavePlans
+from recipes.dapo.checkpoints.files import write_tracker
+from recipes.dapo.checkpoints.save_plans import SavePlans
 
 KIND = "mcore-torch_dist"  # the manifests' format name (converters.manifest)
 _RANK_FILE = re.compile(r"^__(\d+)_")  # torch DCP's data files: __<rank>_<n>.distcp

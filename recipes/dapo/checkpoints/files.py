@@ -2,7 +2,7 @@
 
 verl's layout under `trainer.default_local_dir`:
   latest_checkpointed_iteration.txt  verl's tracker: the newest saved step (for async saves
-                    written by the engine once the save is sealed, recipes.dapo.saving)
+                    written by the engine once the save is sealed, recipes.dapo.checkpoints.async_save)
   global_step_N/actor/  the engine's checkpoint (save_checkpoint):
     model/dist_ckpt/  megatron-core torch_dist checkpoint of the model (dist_checkpointing.save
                     of the local-spec GPTModel's sharded_state_dict: every rank writes its
@@ -12,8 +12,8 @@ verl's layout under `trainer.default_local_dir`:
     optim/dist_ckpt/  megatron-core's sharded distributed-optimizer checkpoint (master weights,
                     Adam moments and steps; dist_checkpointing, every rank writes its shards)
     optim/schedule.json  the learning-rate schedule's update counter (resume with the same plan).
-    meta.json       format, global step, plan (recipes.dapo.weights).
-  global_step_N/data.pt  verl's dataloader state (vetted by recipes.dapo.resume).
+    meta.json       format, global step, plan (recipes.dapo.engine.weights).
+  global_step_N/data.pt  verl's dataloader state (vetted by recipes.dapo.checkpoints.resume).
 
 A torch_dist directory is complete once it carries its manifest.json (written when the save
 is sealed). The launcher reads this module before anything heavy is imported: it imports no
@@ -35,12 +35,12 @@ META = "meta.json"
 
 def is_complete(root: Path) -> bool:
     """A saved actor checkpoint whose every torch_dist directory carries its manifest.json:
-    written to the end and sealed (recipes.dapo.saving). A save cut short has none. verl's
+    written to the end and sealed (recipes.dapo.checkpoints.async_save). A save cut short has none. verl's
     FSDP engine's (`--engine fsdp`, its fsdp_config.json there): every rank's files."""
     from converters.manifest import NAME
 
     if is_fsdp(root):
-        from converters.fsdp_state import is_complete as fsdp_complete
+        from converters.pickles.fsdp_state import is_complete as fsdp_complete
 
         return fsdp_complete(root)
     dirs = [d for d in (root / MODEL_DIR, root / OPTIM_STATE) if d.is_dir()]
@@ -48,8 +48,8 @@ def is_complete(root: Path) -> bool:
 
 
 def is_fsdp(root: Path) -> bool:
-    """An actor checkpoint of verl's FSDP engine (converters.fsdp_state), not ours."""
-    from converters.fsdp_state import CONFIG
+    """An actor checkpoint of verl's FSDP engine (converters.pickles.fsdp_state), not ours."""
+    from converters.pickles.fsdp_state import CONFIG
 
     return (root / CONFIG).is_file()
 

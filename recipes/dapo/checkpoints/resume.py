@@ -15,20 +15,19 @@ state, in the driver with `torch.load(weights_only=False)`. The check runs in tw
 
 `data.pt` is the one pickle here that the project does not write. A genuine one (torchdata's
 StatefulDataLoader, verl's RandomSampler or SequentialSampler, 0 or more workers; a real run's
-and saves made with verl's dataloader directly, tests/test_resume.py) pickles plain
+and saves made with verl's dataloader directly, tests/recipes/test_resume.py) pickles plain
 containers and one uint8 tensor, the sampler's torch.Generator state: exactly
-`converters.safe_pickle.TORCH_SAVE_ALLOWED`.
+`converters.pickles.safe_pickle.TORCH_SAVE_ALLOWED`.
 """
 
 import re
 from pathlib import Path
 
-from converters.fsdp_state import check_fsdp_checkpoint
 from converters.hf_io import CheckpointError
-from converters.queue_state import check_queue_state
-from converters.safe_pickle import check_dist_checkpoint, check_torch_save
-from recipes.dapo import overrides
-from recipes.dapo.ckpt_layout import (
+from converters.pickles.fsdp_state import check_fsdp_checkpoint
+from converters.pickles.queue_state import check_queue_state
+from converters.pickles.safe_pickle import check_dist_checkpoint, check_torch_save
+from recipes.dapo.checkpoints.files import (
     ACTOR,
     MODEL_DIR,
     OPTIM_STATE,
@@ -39,6 +38,7 @@ from recipes.dapo.ckpt_layout import (
     unfinished_error,
     write_tracker,
 )
+from recipes.dapo.job import overrides
 
 DATA_STATE = "data.pt"
 QUEUE_STATE = "transfer_queue"  # verl's async trainer modes pickle it (pickle.load on resume)
@@ -71,7 +71,7 @@ def check_step_dir(step_dir: Path, trainer_mode: str = "sync") -> None:
 
 def check_queue_state_of(step_dir: Path) -> None:
     """verl's async modes unpickle `transfer_queue/` (plain pickle) after the actor's load:
-    every pickle there through its exact allow-list (converters.queue_state)."""
+    every pickle there through its exact allow-list (converters.pickles.queue_state)."""
     if (Path(step_dir) / QUEUE_STATE).is_dir():
         check_queue_state(Path(step_dir) / QUEUE_STATE)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.compat import async_save_kwargs
+from backend.platform.compat import async_save_kwargs
 
 
 def structure_fingerprint(sharded_state_dict: dict) -> str:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.dapo.ckpt_layout import TRACKER  # verl's, written after each complete save
+from recipes.dapo.checkpoints.files import TRACKER  # verl's, written after each complete save
 
 POLL_S, GRACE_S, TERM_S = 2.0, 30.0, 30.0
 LATE_S = 20.0  # Ray's verdict on a node whose processes died: 5 missed checks, 3 s apart
@@ -133,8 +133,8 @@ class NodeWatch:
 
 def last_complete_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The actor checkpoint `trainer.resume_mode=auto` loads: verl's tracker's step, or the
-    newest sealed one below it (recipes.dapo.ckpt_layout.is_sealed)."""
-    from recipes.dapo.ckpt_layout import is_sealed
+    newest sealed one below it (recipes.dapo.checkpoints.files.is_sealed)."""
+    from recipes.dapo.checkpoints.files import is_sealed
 
     root = Path(ckpt_dir)
     try:

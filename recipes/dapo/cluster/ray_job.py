@@ -10,9 +10,9 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes;
-# a lost node is not left to them: recipes/dapo/lost_node.py), the task-queue optimisation,
+# a lost node is not left to them: recipes/dapo/cluster/lost_node.py), the task-queue optimisation,
 # vLLM's V1 engine (vllm-ascend)
 A2_ENV = {
     "HCCL_CONNECT_TIMEOUT": "1800",
@@ -25,7 +25,7 @@ READER_GRACE_S = 30  # for the child's last lines once it has exited
 TQ_DEFAULT_THREADS = 8  # transferqueue 0.1.11's TQ_NUM_THREADS default (client.py)
 _DEVICES = re.compile(r"([\d.]+)/([\d.]+)\s+(GPU|NPU)\b")
 # the Ray resource each device's ranks ask for; the CPU platform declares "GPU"
-# (recipes/local/platform.py)
+# (recipes/local/cpu/platform.py)
 RAY_KIND = {"cuda": "GPU", "npu": "NPU", "cpu": "GPU"}
 # how soon Ray's GCS calls a node dead (its raylet misses health checks): Ray's defaults, pinned
 # on every node by ray_node.py. A node whose processes died misses them at once: dead after
@@ -63,7 +63,7 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     if device == "npu":
         env.update(A2_ENV)
     if device == "cpu":
-        from recipes.local.overrides import CPU_ENV
+        from recipes.local.cpu_overrides import CPU_ENV
 
         env.update(CPU_ENV)
     if ifname:
@@ -171,12 +171,12 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
     or 128 + N when the launcher itself got signal N (130 / 143: the user stopped the run,
     whatever status the child made of it; the console then shows no traceback).
 
-    console (recipes.dapo.console.Console): the child's stdout and stderr, merged, pass
+    console (recipes.dapo.console.screen.Console): the child's stdout and stderr, merged, pass
     through its `feed` line by line; without one they go where this process's go. A
     checkpoint the engine refused (the Console's `refusal`) raises that CheckpointError here,
     in one line naming the log that holds the trainer's traceback.
 
-    watch (recipes.dapo.lost_node.NodeWatch): follows the cluster's nodes meanwhile and stops
+    watch (recipes.dapo.cluster.lost_node.NodeWatch): follows the cluster's nodes meanwhile and stops
     the child once one of them died."""
     piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     extra = {"PYTHONUNBUFFERED": "1"} if console else {}  # lines as they are printed
@@ -214,7 +214,7 @@ def interrupted_line(code: int, ckpt_dir: str | Path) -> str | None:
     """The one line of a run the user stopped (status 130 / 143), naming what resumes."""
     if code not in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         return None
-    from recipes.dapo.lost_node import last_complete_checkpoint
+    from recipes.dapo.cluster.lost_node import last_complete_checkpoint
 
     name = "SIGINT" if code == 128 + signal.SIGINT else "SIGTERM"
     last = last_complete_checkpoint(ckpt_dir)

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from backend.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from recipes.dapo import cluster
+from backend.shared.cli_contract import OneLineParser, parse_or_exit_code, run_cli
+from recipes.dapo.cluster import ray_job as cluster
 
 START_TIMEOUT_S = 240
 # Ray gives a new node a fixed 30 s to register with the GCS (ray/_private/node.py), which a
@@ -33,7 +33,7 @@ REGISTER_TIMEOUT, START_TRIES = "The current node timed out during startup", 3
 # failure of a broken Ray
 RAY_START = {"RAY_agent_register_timeout_ms": "120000"}
 STOP_GRACE_S = 45  # Ray drains a node for up to 30 s on SIGTERM
-# --device cpu: what the CPU platform declares per node (recipes/local/platform.py): one "GPU"
+# --device cpu: what the CPU platform declares per node (recipes/local/cpu/platform.py): one "GPU"
 # per rank, never used, and CPUs for TransferQueue's storage units, agent-loop and reward
 # workers, which each ask for one; the small object store leaves room for the other runs
 CPU_NODE = ["--num-cpus", "16", "--object-store-memory", str(512 << 20)]

@@ -3,10 +3,10 @@
 
 In the embedded run verl's driver starts its own Ray head (ray.init in verl's main_ppo). Under
 load that start can time out: Ray waits 30 s for the GCS to publish its port and 30 s for the
-raylet to register ("The current node timed out during startup"); recipes.dapo.tracebacks'
+raylet to register ("The current node timed out during startup"); recipes.dapo.console.tracebacks'
 RAY_START_FAILURES name Ray's words. It fails before any worker exists, so nothing was trained
 and the same command is what to run again (a --resume run resumes the same checkpoint): the
-launcher ends what the attempt left (recipes.dapo.run_scope's reap), waits PAUSE_S and runs it
+launcher ends what the attempt left (recipes.dapo.cluster.run_scope's reap), waits PAUSE_S and runs it
 again, ATTEMPTS times in all, a console line each time. Then it stops with one line naming the
 cause and the fix, exit 2 (an environment fault), Ray's traceback in the run's log. A child that
 failed any other way (a training crash) is never retried: its status is the launcher's.
@@ -14,8 +14,8 @@ failed any other way (a training crash) is never retried: its status is the laun
 
 import time
 
-from recipes.dapo import cluster
-from recipes.dapo.cluster import LaunchError
+from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster.ray_job import LaunchError
 
 ATTEMPTS = 3
 PAUSE_S = 10.0  # before the next attempt: a busy machine gets a moment

@@ -2,7 +2,7 @@
 between two attempts and after the launcher was killed (docs/exit_codes.md, "What a run leaves
 behind"). Standard library only: it starts in a fraction of a second.
 
-recipes.dapo.run_scope starts it in a session of its own (a kill of the launcher's process
+recipes.dapo.cluster.run_scope starts it in a session of its own (a kill of the launcher's process
 group does not reach it) with the run's id, the launcher's pid and start time and the run's
 temp dir. What it takes for the run's, each provably:
 - a process whose environment carries MCORE_DAPO_RUN_ID=<id> (the launcher puts it in the

@@ -6,7 +6,7 @@ launcher (docs/exit_codes.md, "What a run leaves behind").
 nothing). Its `env` goes into the training child's environment only (not into the Ray
 runtime_env of the command: a cluster's other nodes have no such temp dir):
 - MCORE_DAPO_RUN_ID: the run's id, inherited by every process the run starts on this machine,
-  which is how the reaper (recipes.dapo.reaper) knows them;
+  which is how the reaper (recipes.dapo.cluster.reaper) knows them;
 - TMPDIR: <temp>/mcore_dapo_<id>, the run's own, so that what the libraries put in the temp
   dir (vLLM's vllm_dist_* files and ZMQ sockets, verl's checkpoint locks) is provably this
   run's; RAY_TMPDIR and TORCHINDUCTOR_CACHE_DIR stay where they were without it (Ray's
@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from recipes.dapo.reaper import RUN_ID, SAMPLE_S
+from recipes.dapo.cluster.reaper import RUN_ID, SAMPLE_S
 
 REAPER = Path(__file__).with_name("reaper.py")
 READY_S = 60.0  # for the reaper's start (a busy machine)

@@ -1,5 +1,5 @@
 """Where the launcher's console keeps the run-health alarms it raised: `<run>/alarms.jsonl`,
-appended by every launch of the run (recipes.dapo.health reads it back into the routing
+appended by every launch of the run (recipes.dapo.console.health_report reads it back into the routing
 report), and tensorboard (`alarms/<kind>`) when the run has a directory for it.
 """
 

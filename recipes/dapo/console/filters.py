@@ -1,4 +1,4 @@
-"""What the launcher's console (recipes.dapo.console) holds back, relabels and adds.
+"""What the launcher's console (recipes.dapo.console.screen) holds back, relabels and adds.
 
 - NOT_APPLICABLE: library notices that say nothing about this run, each with its reason and
   the devices it holds for (None: every device). They go to the log only; the console says at

@@ -1,7 +1,7 @@
 """A run's health after verl returns: the routing report with the launcher's alarms in it.
 
 The engine writes the routing-balance report with each checkpoint
-(`global_step_N/actor/moe_report.json`); the launcher's console (recipes.dapo.console) appends
+(`global_step_N/actor/moe_report.json`); the launcher's console (recipes.dapo.console.screen) appends
 the run-health alarms it raised to `<run>/alarms.jsonl`. `routing_report` puts both in
 `<run>/routing_report.json` and renders `<run>/routing_report/index.html`
 (backend.monitor.render), on the cluster as in the CPU run.
@@ -11,13 +11,13 @@ import json
 import re
 from pathlib import Path
 
-from recipes.dapo.alarm_log import ALARMS
+from recipes.dapo.console.alarm_log import ALARMS
 
 
 def latest_actor_checkpoint(root: Path) -> Path | None:
     """<root>/global_step_N/actor with the largest N (verl's layout) of the complete ones
-    (sealed: recipes.dapo.saving), or None."""
-    from recipes.dapo.ckpt_layout import is_complete
+    (sealed: recipes.dapo.checkpoints.async_save), or None."""
+    from recipes.dapo.checkpoints.files import is_complete
 
     steps = [
         (int(m.group(1)), p / "actor")
@@ -33,7 +33,7 @@ def latest_fsdp_checkpoint(root: Path) -> Path | None:
     """verl's FSDP engine's newest checkpoint: <root>/global_step_N/actor of the step verl's
     tracker names (verl writes the tracker after every rank saved, its saves being
     synchronous), or None."""
-    from recipes.dapo.ckpt_layout import ACTOR, TRACKER
+    from recipes.dapo.checkpoints.files import ACTOR, TRACKER
 
     tracker = root / TRACKER
     text = tracker.read_text().strip() if tracker.is_file() else ""

@@ -4,21 +4,21 @@ Every line of the training child (verl's driver, Ray, every worker and server, w
 prints them) passes through `Console.feed`, which writes it to `<run>/logs/launch_NNN.log`
 and shows on the console only:
 - for each trainer step verl logs (its console logger's `step:N - key:value - ...` line), one
-  compact line (recipes.dapo.step_line), after its legend once;
+  compact line (recipes.dapo.console.step_line), after its legend once;
 - each distinct warning or error line once (numbers and Ray's nested process prefixes
   masked to tell them apart), and after the child ended the counts of the most repeated ones
   (all of them at the end of the log); library notices that do not apply to the run, the
   engine's `config:` lines and the start-up lines until the first step line are
-  recipes.dapo.console_filters';
+  recipes.dapo.console.filters';
 - the run-health alarms (backend.monitor.alarms) that the step metrics raise, also appended
-  to `<run>/alarms.jsonl` and written to tensorboard (recipes.dapo.alarm_log), whence the
-  routing report takes them (recipes.dapo.health);
+  to `<run>/alarms.jsonl` and written to tensorboard (recipes.dapo.console.alarm_log), whence the
+  routing report takes them (recipes.dapo.console.health_report);
 - a traceback of the child's own in full, once it is known not to be a checkpoint refusal
-  (recipes.dapo.tracebacks holds it until the child ended or outlived it); a refusal is left
+  (recipes.dapo.console.tracebacks holds it until the child ended or outlived it); a refusal is left
   in the log, its message in `refusal` for the launcher's one line (`debug=True`: its
   traceback is shown as well);
 - on a failure, the last lines of the log (from the dying traceback's start when longer); a
-  failed start of Ray (recipes.dapo.ray_start retries it, `next_attempt`) shows nothing: the
+  failed start of Ray (recipes.dapo.cluster.ray_start retries it, `next_attempt`) shows nothing: the
   launcher says it in one line.
 On a terminal a status line (progress, elapsed time, the latest line) shows the run is alive.
 `verbose=True` shows every line as it comes (the stream as it was), alarms included; the
@@ -41,10 +41,10 @@ from typing import TextIO
 from tqdm import tqdm
 
 from backend.monitor.alarms import AlarmRules, HealthAlarms
-from recipes.dapo.alarm_log import ALARMS, AlarmLog
-from recipes.dapo.console_filters import Startup, config_text, held_back_line, not_applicable
-from recipes.dapo.step_line import LAG_LEGEND, LEGEND, lag_parts, progress_bar, step_line
-from recipes.dapo.tracebacks import Tracebacks
+from recipes.dapo.console.alarm_log import ALARMS, AlarmLog
+from recipes.dapo.console.filters import Startup, config_text, held_back_line, not_applicable
+from recipes.dapo.console.step_line import LAG_LEGEND, LEGEND, lag_parts, progress_bar, step_line
+from recipes.dapo.console.tracebacks import Tracebacks
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # one or nested: (vLLMHttpServer pid=1) (EngineCore pid=2) WARNING ...
@@ -289,7 +289,7 @@ class Console:
         self.say(f"log: {self.log_path}")
 
     def next_attempt(self, note: str) -> None:
-        """The same command is run again (recipes.dapo.ray_start): `note` on the console and in
+        """The same command is run again (recipes.dapo.cluster.ray_start): `note` on the console and in
         the log; the last child's state forgotten (its warnings stay shown once)."""
         with self._lock:
             self.log.write(f"--- {note} ---\n")

@@ -1,4 +1,4 @@
-"""The trainer step's one console line (recipes.dapo.console) and its legend.
+"""The trainer step's one console line (recipes.dapo.console.screen) and its legend.
 
 step_line: a progress bar, reward, validation reward when the step validated, entropy, KL
 (the KL loss, or the update's ppo_kl), grad norm, rollout-vs-actor |log-prob diff|, routing

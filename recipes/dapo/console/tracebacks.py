@@ -4,14 +4,14 @@ says what it was, a checkpoint the engine refused told in one line.
 The engine refuses a checkpoint with converters' CheckpointError (or a subclass) inside an actor
 worker. Through Ray it reaches verl's driver as a RayTaskError, which the trainer prints
 (Hydra's "Error executing job ..." and ~95 lines of traceback) before it exits with status 1.
-The launcher's console (recipes.dapo.console) hands every line of the child to `Tracebacks`:
+The launcher's console (recipes.dapo.console.screen) hands every line of the child to `Tracebacks`:
 from the start of a traceback of the child's own (not a Ray worker's prefixed one) the lines
 are held. When the child exited and they end in a refusal, `refusal()` is its message (the
 launcher stops with it in one line, exit 2; the traceback stays in the run's log, and reaches
 the console too with --debug); otherwise the console shows them, and so it does when the
 child outlives them by HOLD_S (a traceback it logged and survived).
 A failed start of the embedded Ray (`start_failure`, Ray's own words in RAY_START_FAILURES) is
-told apart the same way: recipes.dapo.ray_start retries it.
+told apart the same way: recipes.dapo.cluster.ray_start retries it.
 """
 
 import re
@@ -39,7 +39,7 @@ _PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\w+ pid=\d+[^)]*\)|\[rank\d+\]:)(\x1
 def refusal_classes() -> tuple[str, ...]:
     """`module.Class` of CheckpointError and every subclass the engine's checks raise."""
     import converters.manifest  # noqa: F401  (ManifestError)
-    import converters.safe_pickle  # noqa: F401  (UnsafeCheckpointError)
+    import converters.pickles.safe_pickle  # noqa: F401  (UnsafeCheckpointError)
     from converters.hf_io import CheckpointError
 
     found, todo = [], [CheckpointError]

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-from backend.common import round_up
-from backend.packing import (  # noqa: F401  (the planners: pure, in backend.packing)
+from backend.model.packing import (  # noqa: F401  (the planners: pure, in backend.model.packing)
     BatchError,
     micro_batch_slots,
     packed_slot_budget,
@@ -34,6 +33,7 @@ from backend.packing import (  # noqa: F401  (the planners: pure, in backend.pac
     plan_by_tokens,
     plan_lengths,
 )
+from backend.shared.names import round_up
 
 
 @dataclass
@@ -115,7 +115,7 @@ def plan_micro_batches(
     data: TensorDict, tp: int, dp_group, device="cpu", packed: bool = False, step: int = 1
 ) -> list[list[int]]:
     """Row indices of each micro-batch, the same count on every rank of `dp_group` (step:
-    the packed-length ladder, backend.packing)."""
+    the packed-length ladder, backend.model.packing)."""
     lengths = _lengths(data["input_ids"]).tolist()
     if tu.get_non_tensor_data(data, "use_dynamic_bsz", True):
         budget = tu.get_non_tensor_data(data, "max_token_len_per_gpu", None)
@@ -209,7 +209,7 @@ def packed_micro_batch(
 ) -> MicroBatch:
     """Rows of `data` concatenated into one [1, T] row (T the real total rounded up to tp and
     to the packed-length ladder's step)."""
-    from backend.packing import packed_layout
+    from backend.model.packing import packed_layout
 
     sub = tu.index_select_tensor_dict(data, rows)
     ids = sub["input_ids"]
@@ -255,14 +255,14 @@ def micro_batch_routes(
 ):
     """Per-row expert ids (verl's nested `routed_experts`, [len or len - 1, L, K] a row, any
     integer dtype: vLLM's uint8, the CPU rollout's int16, R2's recorded ones) as
-    backend.router_replay.Routes over the micro-batch's ids_BS (padded [B, S] or packed
+    backend.model.router_replay.Routes over the micro-batch's ids_BS (padded [B, S] or packed
     [1, T]) for `layers` only (a pipeline stage's), in route_dtype(num_experts): what moves
     to the device is a stage's share of the routes at one byte per id (<= 256 experts).
 
     fed_only: a rollout's routes: its last token was never fed to the model (its row is a
     placeholder or absent), so it is not used; the recorded routes of a full forward are.
     """
-    from backend.router_replay import Routes, route_dtype
+    from backend.model.router_replay import Routes, route_dtype
 
     rows = routes.unbind() if routes.is_nested else list(routes)
     if rows[0].dim() != 3:  # vLLM's routed_experts: [positions, layers, top-k] a request

@@ -1,5 +1,5 @@
 """The engine's checkpoint saves and loads (verl's save_checkpoint / load_checkpoint): what is
-written where (recipes.dapo.ckpt_layout), in the background or not (recipes.dapo.saving), what
+written where (recipes.dapo.checkpoints.files), in the background or not (recipes.dapo.checkpoints.async_save), what
 a load checks before megatron-core reads anything, and the resumed run's log line."""
 
 import logging
@@ -12,15 +12,15 @@ import torch.distributed as dist
 
 from converters.convert import HF_CONFIG  # the config.json copy the export reads
 from converters.hf_io import CheckpointError
-from recipes.dapo import weights
-from recipes.dapo.ckpt_layout import (
+from recipes.dapo.checkpoints.async_save import CheckpointWriter, PendingSave
+from recipes.dapo.checkpoints.files import (
     MODEL_DIR,
     OPTIM_DIR,
     OPTIM_STATE,
     check_complete,
     tracker_of,
 )
-from recipes.dapo.saving import CheckpointWriter, PendingSave
+from recipes.dapo.engine import weights
 
 logger = logging.getLogger(__name__)
 

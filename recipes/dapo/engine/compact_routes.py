@@ -6,9 +6,9 @@ agent loop output widens them to int16 on their way into its TransferQueue
 bytes through the queue, Ray and the trainer's batch (1.9 GB instead of 0.96 a Qwen3-30B-A3B
 training batch: the dry run's route line). verl's extension point for agent loops (a config
 file of `name` + `_target_`, `rollout.agent.agent_loop_config_path`, and
-`rollout.agent.default_agent_loop`: recipes.dapo.overrides.AGENT_LOOPS) runs `CompactRoutesAgentLoop`: verl's single-turn loop
+`rollout.agent.default_agent_loop`: recipes.dapo.job.overrides.AGENT_LOOPS) runs `CompactRoutesAgentLoop`: verl's single-turn loop
 whose output narrows the routes back to the rollout's own uint8 after verl's alignment. The
-engine takes any integer dtype (recipes.dapo.batches.micro_batch_routes).
+engine takes any integer dtype (recipes.dapo.engine.batches.micro_batch_routes).
 """
 
 import torch

@@ -12,10 +12,10 @@ from typing import Any
 from verl.workers.config import ActorConfig, FSDPActorConfig
 from verl.workers.config.engine import EngineConfig
 
-from backend.dispatch_timing import DISPATCH_TIMING_DEFAULT
-from backend.guards import GuardSettings
-from backend.recompute import recompute_mode
-from backend.timing import TIMING_DEFAULT
+from backend.instruments.dispatch_timing import DISPATCH_TIMING_DEFAULT
+from backend.instruments.timing import TIMING_DEFAULT
+from backend.model.recompute import recompute_mode
+from backend.training.loss_guards import GuardSettings
 from parallel.weight_sync import DEFAULT_BUCKET_MB
 from recipes.dapo import BACKEND, check_actor_cp
 
@@ -29,12 +29,12 @@ class McoreEpEngineConfig(EngineConfig):
     """Parallel plan and actor options of the mcore_ep engine.
 
     Parallel sizes use verl's megatron spellings. recompute: "none" | "selective" (core
-    attention and the experts' SwiGLU) | "full" (one layer per checkpoint), backend.recompute;
-    the bools of older configs mean full (True) and none (False). experts / attention: backend.model.BuildOptions' choices ("auto": our
+    attention and the experts' SwiGLU) | "full" (one layer per checkpoint), backend.model.recompute;
+    the bools of older configs mean full (True) and none (False). experts / attention: backend.model.build.BuildOptions' choices ("auto": our
     grouped-GEMM experts and SDPA attention where they pay, see there). aux_loss: backend.aux_loss.AuxLossConfig fields (mode, type, coeff,
     z_coeff, scope, global_counts); off by default, as verl's engines for Qwen3-MoE RL (the
     cluster recipe turns it on: docs/aux_loss.md). monitor: {"enable": bool, "log_dir": tensorboard dir or None}.
-    timing: per-step `timing/*` metrics and the communication-share warning (backend.timing;
+    timing: per-step `timing/*` metrics and the communication-share warning (backend.instruments.timing;
     on by default: its sections cost under 1% of a step). timing_dispatch: also time every MoE
     layer's token dispatch / combine (off by default: it costs more than that 1%; figures in
     docs/timing.md, "Overhead").
@@ -48,13 +48,13 @@ class McoreEpEngineConfig(EngineConfig):
     most this many MiB of full tensors, one collective per group and bucket (0: one per
     tensor); the same names, values and order either way (parallel.weight_sync).
     packed_length_step: with packed, every micro-batch's packed total is rounded up to a
-    multiple of this many tokens, so a run sees a bounded set of shapes (backend.packing);
+    multiple of this many tokens, so a run sees a bounded set of shapes (backend.model.packing);
     None: 512 on npu (whose operators recompile on new shapes), off elsewhere; 0 or 1: off.
     guards: the opt-in entropy floor and adaptive KL coefficient, off by default
-    (backend.guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
+    (backend.training.loss_guards: {"entropy_floor": {"enable": true, "floor": ...}, "kl": {...}}).
     resume_from: the actor checkpoint (global_step_N/actor) verl's resume will load, named by
     the launcher: checked when the engine starts, before the rollout does, so a damaged one
-    is refused in a minute, not after the rollout's start-up (recipes.dapo.ckpt_io).
+    is refused in a minute, not after the rollout's start-up (recipes.dapo.engine.checkpoint_io).
     updates_per_step: verl's parameter_sync_step (separate_async: a trainer step is that many
     mini-batch updates, and verl gives the optimizer total_training_steps times it); the
     run's last save, which returns sealed, is counted in trainer steps.

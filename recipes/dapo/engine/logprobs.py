@@ -8,8 +8,8 @@ positions L - r - 1 .. L - 2; the last position of each row is unused (0 here).
 import torch
 import torch.nn.functional as F
 
-from backend.forward import forward_logits, token_log_probs
-from backend.lean_head import forward_hidden, gpt_of, lean_log_probs, output_weight_VH
+from backend.model.forward import forward_logits, token_log_probs
+from backend.model.lean_head import forward_hidden, gpt_of, lean_log_probs, output_weight_VH
 
 
 def _temperature_B11(temperature, batch: int, device) -> torch.Tensor | float:
@@ -40,9 +40,9 @@ def head_outputs(
 ) -> dict:
     """{"log_probs": [B, S], "entropy": [B, S] when asked}, differentiable, fp32.
 
-    lean: backend.lean_head (chunked, the output projection fused, no [T, V/tp] logits held);
+    lean: backend.model.lean_head (chunked, the output projection fused, no [T, V/tp] logits held);
     otherwise the full logits (full_head_outputs), the reference it is tested against.
-    packed: PackedSeqParams of a packed [1, T] row (backend.forward.forward_logits); the
+    packed: PackedSeqParams of a packed [1, T] row (backend.model.forward.forward_logits); the
     log-prob at each sequence's last token then reads the next sequence's first: the caller
     masks it (MicroBatch.has_next_BS).
     """
@@ -55,7 +55,7 @@ def head_outputs(
 def head_from_hidden(
     model, hidden_SBH: torch.Tensor, ids_BS: torch.Tensor, temperature=1.0, entropy: bool = False
 ) -> dict:
-    """head_outputs' lean head on final hidden states [S, B, H] (backend.lean_head)."""
+    """head_outputs' lean head on final hidden states [S, B, H] (backend.model.lean_head)."""
     s, b, h = hidden_SBH.shape
     labels_SB = F.pad(ids_BS[:, 1:], (0, 1)).t()  # the last position's label is never read
     temperature_SB = _temperature_B(temperature, b, ids_BS.device).expand(s, b)

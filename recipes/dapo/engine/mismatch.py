@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from recipes.dapo.batches import response_lengths_B
+from recipes.dapo.engine.batches import response_lengths_B
 
 PREFIX = "actor/rollout_logprob_abs_diff"
 

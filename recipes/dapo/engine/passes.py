@@ -1,7 +1,7 @@
 """The micro-batch passes behind the engine's forward_backward_batch: verl's batch -> micro-
-batches (recipes.dapo.batches) -> megatron-core's schedule (backend.schedule) -> log-probs
-and entropy (recipes.dapo.heads) -> verl's loss -> verl's output dict; routes per micro-batch
-(recipes.dapo.replay_routes) and the routing counting pass of a global-batch aux loss."""
+batches (recipes.dapo.engine.batches) -> megatron-core's schedule (backend.training.schedule) -> log-probs
+and entropy (recipes.dapo.engine.logprobs) -> verl's loss -> verl's output dict; routes per micro-batch
+(recipes.dapo.engine.replay_routes) and the routing counting pass of a global-batch aux loss."""
 
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -12,15 +12,15 @@ import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 
-from backend.distributed import ProcessGroups
-from backend.forward import forward_logits
-from backend.instruments import RouterInstruments
-from backend.lean_head import forward_hidden
-from backend.schedule import is_last_stage, run_micro_batches
-from recipes.dapo import batches
-from recipes.dapo.guards import EngineGuards
-from recipes.dapo.heads import head_from_hidden
-from recipes.dapo.replay_routes import all_stages_routes, micro_batch_routes
+from backend.instruments.router_instruments import RouterInstruments
+from backend.model.forward import forward_logits
+from backend.model.lean_head import forward_hidden
+from backend.training.distributed import ProcessGroups
+from backend.training.schedule import is_last_stage, run_micro_batches
+from recipes.dapo.engine import batches
+from recipes.dapo.engine.logprobs import head_from_hidden
+from recipes.dapo.engine.replay_routes import all_stages_routes, micro_batch_routes
+from recipes.dapo.engine.update_guards import EngineGuards
 
 
 def _one_temperature(temperature_B: torch.Tensor) -> float:
@@ -101,7 +101,7 @@ class MicroBatchRunner:
         self.device, self.torch_device = device, torch_device
 
     def forward_backward(self, data, loss_function, phase: str) -> dict:
-        """One pass over verl's batch `data` in `phase` (recipes.dapo.replay_routes.phase_of):
+        """One pass over verl's batch `data` in `phase` (recipes.dapo.engine.replay_routes.phase_of):
         verl's output dict."""
         self._set_batch_info(data)
         forward_only = phase != "update"
@@ -145,7 +145,7 @@ class MicroBatchRunner:
     @property
     def _ladder(self) -> int:
         """The packed-length ladder's step (mcore_ep.packed_length_step; npu: 512)."""
-        from backend.packing import ladder_step
+        from backend.model.packing import ladder_step
 
         return ladder_step(self.device, self.config.packed_length_step)
 
@@ -171,7 +171,7 @@ class MicroBatchRunner:
         self.routing.set_routes(**routes)
 
     def _run(self, p: Pass) -> list[dict | None]:
-        """The micro-batches through megatron-core's schedule (backend.schedule); per
+        """The micro-batches through megatron-core's schedule (backend.training.schedule); per
         micro-batch, the last stage's result (None on earlier stages)."""
         outputs: list[dict | None] = [None] * len(p.mbs)
         recorded: list[torch.Tensor | None] = [None] * len(p.mbs)
@@ -229,7 +229,7 @@ class MicroBatchRunner:
     def _counting_pass(self, mbs, routes) -> None:
         """Routing counts of the whole step before any backward (global_batch aux loss);
         the output layer is skipped (no logits: only the routers' counts are read)."""
-        from backend.lean_head import output_layer_skipped
+        from backend.model.lean_head import output_layer_skipped
 
         def step(i: int):
             self._enter(mbs[i], routes[i])

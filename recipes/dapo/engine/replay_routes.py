@@ -6,8 +6,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
-from recipes.dapo import batches
+from backend.training.distributed import ProcessGroups
+from recipes.dapo.engine import batches
 
 
 def phase_of(forward_only: bool, reference_engine: bool) -> str:

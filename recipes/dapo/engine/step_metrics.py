@@ -5,12 +5,17 @@ report) and the old-log-prob pass's agreement and log-prob mismatch."""
 import torch
 import torch.distributed as dist
 
-from backend.comm_share import add_steps, comm_layout, comm_share_warning, max_over_ranks
-from backend.dispatch_timing import MoEDispatchTimer
-from backend.distributed import ProcessGroups
-from backend.instruments import RouterInstruments
-from backend.schedule import is_last_stage
-from backend.timing import SECTIONS, StepTimer
+from backend.instruments.comm_share import (
+    add_steps,
+    comm_layout,
+    comm_share_warning,
+    max_over_ranks,
+)
+from backend.instruments.dispatch_timing import MoEDispatchTimer
+from backend.instruments.router_instruments import RouterInstruments
+from backend.instruments.timing import SECTIONS, StepTimer
+from backend.training.distributed import ProcessGroups
+from backend.training.schedule import is_last_stage
 
 DISPATCH_SECTIONS = ("moe_dispatch", "moe_combine")
 COMM_WARN_EVERY = 50  # optimizer steps between two comm-share warnings
@@ -46,7 +51,7 @@ class StepMetrics:
     ):
         self.timer, self.routing, self.groups, self.device = timer, routing, groups, device
         self.dispatch_timer = dispatch_timer
-        self.layout = layout  # backend.comm_share.CommLayout, once timing is on
+        self.layout = layout  # backend.instruments.comm_share.CommLayout, once timing is on
         self._timing: dict[str, float] = {}  # this trainer step's optimizer steps so far
         self._comm_warned_at: int | None = None
 
@@ -91,7 +96,7 @@ class StepMetrics:
     def old_log_prob(self, out: dict, data) -> None:
         """Agreement and log-prob mismatch of this pass: returned in its metrics and kept
         for the next update step's (verl reads only the update's metrics)."""
-        from recipes.dapo.mismatch import rollout_logprob_abs_diff
+        from recipes.dapo.engine.mismatch import rollout_logprob_abs_diff
 
         metrics = self.routing.take_agreement()
         if "routed_experts" in data.keys():  # the rollout's routes, as they reached the engine

@@ -1,4 +1,4 @@
-"""The opt-in loss guards (backend.guards) inside the mcore_ep engine's update.
+"""The opt-in loss guards (backend.training.loss_guards) inside the mcore_ep engine's update.
 
 verl's loss of each micro-batch is computed first, unchanged; EngineGuards.loss adds the
 guards' terms on the same outputs (entropy from the lean head, which the engine computes in
@@ -17,7 +17,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from backend.guards import (
+from backend.instruments.router_instruments import config_logger
+from backend.training.loss_guards import (
     AdaptiveKL,
     EntropyFloor,
     GuardConfigError,
@@ -26,7 +27,6 @@ from backend.guards import (
     kl_term,
     masked_sum_count,
 )
-from backend.instruments import config_logger
 
 logger = logging.getLogger(__name__)
 

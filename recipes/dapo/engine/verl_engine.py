@@ -1,7 +1,7 @@
 """verl engine on our megatron-core Qwen3-MoE actor: backend "mcore_ep", devices cuda/npu/cpu.
 
 Importing this module registers the engine with verl's EngineRegistry (verl imports it in
-every worker through `actor_rollout_ref.model.external_lib=recipes.dapo.engine`). This module
+every worker through `actor_rollout_ref.model.external_lib=recipes.dapo.engine.verl_engine`). This module
 is verl's adapter: the engine's lifecycle, and the BaseEngine calls handed to the modules that
 do the work. How the BaseEngine calls verl's workers make map onto our code:
 
@@ -9,32 +9,32 @@ do the work. How the BaseEngine calls verl's workers make map onto our code:
   initialize          build_model (local spec, grouped experts / SDPA) -> HF weights through converters.sharding
                       (each rank reads only its tensors) -> router instruments -> optimizer
   train_mode/eval_mode  verl's offload context + model.train()/eval()
-  forward_backward_batch  recipes.dapo.passes (MicroBatchRunner): nested batch -> padded or
-                      packed (mcore_ep.packed, THD) micro-batches (recipes.dapo.batches) ->
-                      log-probs/entropy (recipes.dapo.heads: backend.lean_head, chunked, the
+  forward_backward_batch  recipes.dapo.engine.passes (MicroBatchRunner): nested batch -> padded or
+                      packed (mcore_ep.packed, THD) micro-batches (recipes.dapo.engine.batches) ->
+                      log-probs/entropy (recipes.dapo.engine.logprobs: backend.model.lean_head, chunked, the
                       output projection fused, no [T, V/tp] logits held) -> verl's loss_function
-                      -> backward; each micro-batch's routes: recipes.dapo.replay_routes
+                      -> backward; each micro-batch's routes: recipes.dapo.engine.replay_routes
   train_batch/infer_batch  BaseEngine's (zero_grad, forward_backward_batch, optimizer_step)
-  optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.optim
+  optimizer_step / lr_scheduler_step / optimizer_zero_grad  backend.training.optim
   get_per_tensor_param  HF-named full tensors, gathered over TP/EP in buckets
                       (mcore_ep.weight_sync_bucket_mb; converters.buckets)
-  save/load_checkpoint  recipes.dapo.ckpt_io (CheckpointIO; layout: recipes.dapo.ckpt_layout,
-                      weights and meta.json: recipes.dapo.weights); saves written in the
+  save/load_checkpoint  recipes.dapo.engine.checkpoint_io (CheckpointIO; layout: recipes.dapo.checkpoints.files,
+                      weights and meta.json: recipes.dapo.engine.weights); saves written in the
                       background and sealed later with verl's checkpoint.async_save
-                      (recipes.dapo.saving)
+                      (recipes.dapo.checkpoints.async_save)
   to                  offload of params/grads/optimizer state: verl's megatron_utils functions,
                       on cpu too (see McoreEpEngine.to for what "cpu" means there)
   dp size/rank/group, is_mp_src_rank_with_outputs  megatron-core's attention DP group, tp rank 0
-  guards              recipes.dapo.guards (mcore_ep.guards, off by default): the entropy floor's
+  guards              recipes.dapo.engine.update_guards (mcore_ep.guards, off by default): the entropy floor's
                       bonus and the adaptive KL term added to verl's loss, coefficients per
                       optimizer step as guard/* metrics
-  timing              backend.timing.StepTimer (mcore_ep.timing): per optimizer step
+  timing              backend.instruments.timing.StepTimer (mcore_ep.timing): per optimizer step
                       forward_backward, grad_reduce, optimizer; between steps, counted in the
                       next one: weight_sync, offload, onload, old_log_prob. The last
                       train_batch of a trainer step returns timing/* (see train_batch;
-                      recipes.dapo.step_metrics); a comm share over 30% is logged and kept in
+                      recipes.dapo.engine.step_metrics); a comm share over 30% is logged and kept in
                       the routing report's warnings
-  metrics             recipes.dapo.step_metrics: timing/*, and the old-log-prob pass's route
+  metrics             recipes.dapo.engine.step_metrics: timing/*, and the old-log-prob pass's route
                       agreement and log-prob mismatch
 """
 
@@ -46,17 +46,18 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
-from backend.instruments import RouterInstruments
-from backend.optim import DP_REDUCTION, OptimSettings, make_optimizer
-from backend.schedule import is_last_stage
-from backend.timing import StepTimer
-from recipes.dapo import saving, weights
-from recipes.dapo.ckpt_io import CheckpointIO
-from recipes.dapo.config import BACKEND
-from recipes.dapo.guards import EngineGuards
-from recipes.dapo.passes import MicroBatchRunner
-from recipes.dapo.replay_routes import phase_of
-from recipes.dapo.step_metrics import StepMetrics, as_lists
+from backend.instruments.router_instruments import RouterInstruments
+from backend.instruments.timing import StepTimer
+from backend.training.optim import DP_REDUCTION, OptimSettings, make_optimizer
+from backend.training.schedule import is_last_stage
+from recipes.dapo.checkpoints import async_save as saving
+from recipes.dapo.engine import weights
+from recipes.dapo.engine.checkpoint_io import CheckpointIO
+from recipes.dapo.engine.config import BACKEND
+from recipes.dapo.engine.passes import MicroBatchRunner
+from recipes.dapo.engine.replay_routes import phase_of
+from recipes.dapo.engine.step_metrics import StepMetrics, as_lists
+from recipes.dapo.engine.update_guards import EngineGuards
 
 DEVICES = ["cuda", "npu", "cpu"]
 _DEFAULT_CONTENTS = ["model", "optimizer", "extra"]  # verl's checkpoint.save/load_contents
@@ -105,9 +106,9 @@ class _ModeCtx(BaseEngineCtx):
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=DEVICES)
 class McoreEpEngine(BaseEngine):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
-        from backend.device import prepare_device
-        from backend.distributed import init_parallel, job_world
-        from backend.families import load_spec
+        from backend.model.families import load_spec
+        from backend.platform.device import prepare_device
+        from backend.training.distributed import init_parallel, job_world
         from parallel.plan import check_against_model
 
         super().__init__()
@@ -138,7 +139,7 @@ class McoreEpEngine(BaseEngine):
         return torch.device(self.device, torch.accelerator.current_device_index())
 
     def initialize(self):
-        from backend.model import BuildOptions, build_model
+        from backend.model.build import BuildOptions, build_model
 
         c = self.engine_config
         dtype = torch.float32 if self.device == "cpu" else getattr(torch, c.dtype)
@@ -305,7 +306,7 @@ class McoreEpEngine(BaseEngine):
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
     ):
-        """recipes.dapo.ckpt_io: the previous save is sealed first; this one is written in the
+        """recipes.dapo.engine.checkpoint_io: the previous save is sealed first; this one is written in the
         background with `checkpoint.async_save` (sealed later, at a train_batch), except at
         the run's last step, which returns sealed."""
         if hdfs_path:

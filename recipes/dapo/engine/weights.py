@@ -1,5 +1,5 @@
 """Weights in and out of the sharded actor: HF load, per-tensor HF export, checkpoints (their
-layout and when one is complete: recipes.dapo.ckpt_layout)."""
+layout and when one is complete: recipes.dapo.checkpoints.files)."""
 
 import json
 import shutil
@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.distributed import ProcessGroups
 from backend.qwen3_moe import Qwen3MoeSpec
+from backend.training.distributed import ProcessGroups
 from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
 from converters.table import expand_table, split_row
-from recipes.dapo.ckpt_layout import META, OPTIM_DIR, check_complete
+from recipes.dapo.checkpoints.files import META, OPTIM_DIR, check_complete
 
 FORMAT = "mcore-moe-dapo/torch_dist/1"
 
@@ -208,14 +208,14 @@ def check_optim_dir(root: Path) -> None:
 
 def check_sealed(dirs: list[Path], step_dir: Path | None = None) -> None:
     """Before megatron-core unpickles anything of a checkpoint: rank 0 checks every file
-    against its manifest and vets every pickle with the allow-list (converters.safe_pickle),
+    against its manifest and vets every pickle with the allow-list (converters.pickles.safe_pickle),
     and `data.pt` and the async modes' `transfer_queue/` of verl's `step_dir`, which verl
     unpickles once this load has returned
-    (recipes.dapo.resume); a failure reaches every rank as the same one-line CheckpointError.
+    (recipes.dapo.checkpoints.resume); a failure reaches every rank as the same one-line CheckpointError.
     Collective."""
     from converters.manifest import verify_manifest
-    from converters.safe_pickle import check_dist_checkpoint
-    from recipes.dapo.resume import check_data_state, check_queue_state_of
+    from converters.pickles.safe_pickle import check_dist_checkpoint
+    from recipes.dapo.checkpoints.resume import check_data_state, check_queue_state_of
 
     problem = [None]
     if dist.get_rank() == 0:

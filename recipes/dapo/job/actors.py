@@ -11,7 +11,7 @@ written in the step (verl writes the tracker: it leaves it to the engine only fo
 which verl's FSDP engine does not seal), with the HF model on the CPU run (its finish exports
 that, recipes.local.export).
 
-On cpu: verl registers that engine for cuda and npu only; recipes.local.fsdp_cpu registers the
+On cpu: verl registers that engine for cuda and npu only; recipes.local.cpu.fsdp_engine registers the
 same class for the CPU platform (named in `model.external_lib`, which verl imports in every
 worker). Attention is transformers' SDPA (verl's default asks for FlashAttention 2) and the
 parameters train in fp32, as ours do on CPU.
@@ -23,7 +23,7 @@ from recipes.dapo import BACKEND
 FSDP = "fsdp"
 ENGINES = (BACKEND, FSDP)
 STRATEGY = "fsdp2"  # verl's FSDP2 (fully_shard); "fsdp" would be the FSDP1 wrapper
-CPU_REGISTRATION = "recipes.local.fsdp_cpu"
+CPU_REGISTRATION = "recipes.local.cpu.fsdp_engine"
 ACTOR = "actor_rollout_ref.actor"
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 SAVE_WITH_HF = ["model", "optimizer", "extra", "hf_model"]
@@ -31,7 +31,7 @@ HF_DIR = "huggingface"  # verl's FSDP checkpoint: config, tokenizer (and the hf_
 
 
 def fsdp_overrides(run) -> dict:
-    """verl's FSDP2 actor for `run` (recipes.dapo.overrides.RunSpec)."""
+    """verl's FSDP2 actor for `run` (recipes.dapo.job.overrides.RunSpec)."""
     f = f"{ACTOR}.fsdp_config"
     values = {
         f"{ACTOR}.strategy": STRATEGY,

@@ -2,7 +2,7 @@
 
 Two moments per device (HEADROOM of its memory usable):
 - actor update (vLLM asleep): parallel.memory's update peak, for our local layer spec with
-  the least recompute that fits it (none, selective, full: backend.recompute; offload does
+  the least recompute that fits it (none, selective, full: backend.model.recompute; offload does
   not move this peak, so recompute is chosen first) and `micro_batch_tokens` padded tokens
   per micro-batch;
 - rollout: what the actor keeps between updates + vLLM's weights (bf16, split over the
@@ -29,7 +29,7 @@ Measure them (npu-smi / nvidia-smi per process) before trusting the last decimal
 import math
 from dataclasses import dataclass, replace
 
-from backend.recompute import RECOMPUTE_CHOICES
+from backend.model.recompute import RECOMPUTE_CHOICES
 from parallel.memory import (
     DEVICE_MEMORY_GIB,
     GIB,
@@ -67,7 +67,7 @@ class Fit:
     comm_gib: float = 0.0  # collective buffers of every communicator on the chip
     comms: int = 0
     log_prob: LogProbPass | None = None  # the old-log-prob pass's peak, full logits and lean
-    recompute: str = "full"  # the least that fits the update (backend.recompute choices)
+    recompute: str = "full"  # the least that fits the update (backend.model.recompute choices)
     recompute_tried: tuple[tuple[str, float], ...] = ()  # (mode, update GiB + shared) tried
 
     @property

@@ -10,15 +10,15 @@ paths, environment) comes from a RunSpec.
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.common import DEVICE_TAGS
+from backend.shared.names import DEVICE_TAGS
 from parallel.plan import ParallelPlan
 from recipes.dapo import BACKEND
-from recipes.dapo.engines import plan_label
-from recipes.dapo.fit import Fit
+from recipes.dapo.job.actors import plan_label
+from recipes.dapo.job.fit import Fit
 
 # verl's agent loop with R3's routes kept uint8 on their way to the engine
-# (recipes.dapo.compact_routes; verl reads the loop from this config file)
-AGENT_LOOPS = Path(__file__).with_name("agent_loops.yaml")
+# (recipes.dapo.engine.compact_routes; verl reads the loop from this config file)
+AGENT_LOOPS = Path(__file__).parents[1] / "engine" / "agent_loops.yaml"
 AGENT_LOOP = "single_turn_compact_routes"
 
 DAPO = dict(
@@ -53,7 +53,7 @@ LOG_PROB_TOKENS = 2 * MICRO_BATCH_TOKENS  # no backward: twice the tokens
 # update per step, see below), not in an extra forward (a whole no-grad forward per update;
 # figures in docs/aux_loss.md). "observe" logs it without a gradient
 AUX_LOSS = {"mode": "on", "type": "global_batch", "coeff": 0.001, "global_counts": "old_log_prob"}
-ENGINE_MODULE = "recipes.dapo.engine"
+ENGINE_MODULE = "recipes.dapo.engine.verl_engine"
 ACTOR = "actor_rollout_ref.actor"
 ENGINE = f"+{ACTOR}.{BACKEND}"
 
@@ -73,11 +73,11 @@ class RunSpec:
     # the running cluster verl's ray.init() attaches to (None: the one Ray finds from this
     # node; the embedded CPU run starts its own)
     ray_address: str | None = None
-    task: str = "doubles"  # the embedded run's task (recipes.local.overrides.TASKS)
-    trainer_mode: str = "sync"  # verl's V1 trainer mode (recipes.dapo.trainer_modes)
+    task: str = "doubles"  # the embedded run's task (recipes.local.cpu_overrides.TASKS)
+    trainer_mode: str = "sync"  # verl's V1 trainer mode (recipes.dapo.job.trainer_modes)
     rollout_nodes: int = 0  # separate_async: the rollout's own nodes (trainer_modes.split)
-    engine: str = BACKEND  # the actor: ours, or verl's FSDP2 engine (recipes.dapo.engines)
-    repo: Path = Path(__file__).resolve().parents[2]
+    engine: str = BACKEND  # the actor: ours, or verl's FSDP2 engine (recipes.dapo.job.actors)
+    repo: Path = Path(__file__).resolve().parents[3]
 
 
 def data(run: RunSpec) -> dict:
@@ -129,22 +129,22 @@ def policy(run: RunSpec) -> dict:
 
 def engine(run: RunSpec) -> dict:
     """Our backend in place of FSDP: registered by ENGINE_MODULE, configured by config.py;
-    with --engine fsdp verl's own FSDP2 engine instead (recipes.dapo.engines)."""
+    with --engine fsdp verl's own FSDP2 engine instead (recipes.dapo.job.actors)."""
     if run.engine != BACKEND:
-        from recipes.dapo.engines import fsdp_overrides
+        from recipes.dapo.job.actors import fsdp_overrides
 
         return {"actor_rollout_ref.model.path": run.model, **fsdp_overrides(run)}
     return {
         "actor_rollout_ref.model.path": run.model,
         "actor_rollout_ref.model.external_lib": ENGINE_MODULE,
-        f"{ACTOR}._target_": "recipes.dapo.config.McoreEpActorConfig",
+        f"{ACTOR}._target_": "recipes.dapo.engine.config.McoreEpActorConfig",
         f"{ACTOR}.strategy": BACKEND,
-        f"{ENGINE}._target_": "recipes.dapo.config.McoreEpEngineConfig",
+        f"{ENGINE}._target_": "recipes.dapo.engine.config.McoreEpEngineConfig",
         f"{ENGINE}.tensor_model_parallel_size": run.plan.tp,
         f"{ENGINE}.expert_model_parallel_size": run.plan.ep,
         f"{ENGINE}.expert_tensor_parallel_size": run.plan.etp,
         f"{ENGINE}.pipeline_model_parallel_size": run.plan.pp,
-        f"{ENGINE}.recompute": run.fit.recompute,  # recipes.dapo.fit: the least that fits
+        f"{ENGINE}.recompute": run.fit.recompute,  # recipes.dapo.job.fit: the least that fits
         f"{ENGINE}.param_offload": run.fit.param_offload,
         f"{ENGINE}.optimizer_offload": run.fit.optimizer_offload,
         f"{ENGINE}.aux_loss": _hydra_dict(AUX_LOSS),
@@ -152,7 +152,7 @@ def engine(run: RunSpec) -> dict:
         f"{ENGINE}.monitor.log_dir": f"{run.ckpt_dir}/moe_tensorboard",
         f"{ENGINE}.router_replay": "disabled",  # R2 | R3: docs/routing_replay.md
         f"{ENGINE}.packed": False,  # THD micro-batches: docs/packed_sequences.md
-        # checkpoints written in the background (recipes.dapo.saving); verl then leaves the
+        # checkpoints written in the background (recipes.dapo.checkpoints.async_save); verl then leaves the
         # tracker (latest_checkpointed_iteration.txt) to the engine, which writes it once sealed
         f"{ACTOR}.checkpoint.async_save": True,
     }
@@ -242,7 +242,7 @@ def build(run: RunSpec) -> dict[str, dict]:
     """{concern: {override key: value}}; on cpu the embedded run's few differences on top."""
     groups = {name: make(run) for name, make in GROUPS.items()}
     if run.device == "cpu":
-        from recipes.local.overrides import cpu_overrides
+        from recipes.local.cpu_overrides import cpu_overrides
 
         for group, values in cpu_overrides(run).items():
             groups[group].update(values)
@@ -250,9 +250,9 @@ def build(run: RunSpec) -> dict[str, dict]:
 
 
 def with_trainer_mode(run: RunSpec, groups: dict[str, dict]) -> dict[str, dict]:
-    """verl's trainer mode and what it needs (recipes.dapo.trainer_modes), from the batch
+    """verl's trainer mode and what it needs (recipes.dapo.job.trainer_modes), from the batch
     sizes the groups above set."""
-    from recipes.dapo import trainer_modes
+    from recipes.dapo.job import trainer_modes
 
     sp = trainer_modes.run_split(run)
     batch = int(value_of(groups, "data.train_batch_size"))
@@ -285,7 +285,7 @@ def name_the_run(groups: dict[str, dict]) -> dict[str, dict]:
 
 
 def runs_ours(groups: dict[str, dict]) -> bool:
-    """Whether the actor is our engine (not verl's FSDP one: recipes.dapo.engines)."""
+    """Whether the actor is our engine (not verl's FSDP one: recipes.dapo.job.actors)."""
     return value_of(groups, f"{ACTOR}.strategy") == BACKEND
 
 

@@ -5,7 +5,7 @@
   step trains on tokens up to a few weight versions old (verl's trainer_colocate_async.py).
 - separate_async: the rollout runs on devices of its own and never waits for the trainer; the
   trainer's weights reach it through a weight channel after every step: hccl on npu, nccl on
-  cuda, our gloo channel on cpu (recipes.dapo.weight_channel). verl asserts that a step is
+  cuda, our gloo channel on cpu (recipes.dapo.engine.weight_channel). verl asserts that a step is
   `parameter_sync_step` mini-batches (trainer_separate_async.py:59).
 
 What separate_async changes for our engine: verl recomputes the old log-probs at the start of
@@ -23,11 +23,11 @@ in decoupled mode, so TIS would be inert there and is not set).
 
 from dataclasses import dataclass
 
-from recipes.dapo.cluster import LaunchError
+from recipes.dapo.cluster.ray_job import LaunchError
 
 MODES = ("sync", "colocate_async", "separate_async")
 CHANNELS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-CPU_CHANNEL_MODULE = "recipes.dapo.weight_channel"
+CPU_CHANNEL_MODULE = "recipes.dapo.engine.weight_channel"
 TIS = {"rollout_is": "token", "rollout_is_threshold": 2.0}
 R = "actor_rollout_ref.rollout"
 # the seed's A2 DAPO step on Qwen3-30B-A3B, verl's FSDP actor, 4 x 8 devices (s): the phases
@@ -66,7 +66,7 @@ def split(mode: str, nodes: int, devices_per_node: int, embedded: bool = False) 
 
 
 def run_split(run) -> Split:
-    """The split a RunSpec (recipes.dapo.overrides) was resolved with."""
+    """The split a RunSpec (recipes.dapo.job.overrides) was resolved with."""
     embedded = run.device == "cpu" and not run.ray_address
     per_node = 1 if embedded and run.rollout_nodes else run.plan.devices_per_node
     return Split(run.plan.nodes, run.rollout_nodes, per_node)
@@ -103,7 +103,7 @@ def sync_step(train_batch: int, mini_batch: int) -> int:
 
 def check(mode: str, values: dict) -> None:
     """After pass-through overrides: combinations verl or our engine refuse later, in one line.
-    values: config path -> value (recipes.dapo.overrides.value_of)."""
+    values: config path -> value (recipes.dapo.job.overrides.value_of)."""
     replay = str(values.get("router_replay") or "disabled")
     if mode == "separate_async" and replay == "R2":
         raise LaunchError(
@@ -123,8 +123,8 @@ def check(mode: str, values: dict) -> None:
 def rollout_side_lines(fit, rollout_tp: int, sp: Split) -> list[str]:
     """separate_async's rollout devices hold vLLM alone: its weights and context, the rest KV.
     (The trainer's devices keep verl's hybrid replicas, which validate: the colocated memory
-    check above is theirs.) fit: recipes.dapo.fit.Fit."""
-    from recipes.dapo.fit import MIN_KV_CACHE_GIB
+    check above is theirs.) fit: recipes.dapo.job.fit.Fit."""
+    from recipes.dapo.job.fit import MIN_KV_CACHE_GIB
 
     kv = fit.limit_gib - fit.context_gib - fit.rollout_weights_gib
     if kv < MIN_KV_CACHE_GIB:

@@ -10,7 +10,7 @@ and no other engine lookup changes (verl's VERL_ENGINE_DEVICE would change every
 
 from verl.workers.engine import EngineRegistry, FSDPEngineWithLMHead
 
-from recipes.local.platform import NAME
+from recipes.local.cpu.platform import NAME
 
 EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=NAME)(
     FSDPEngineWithLMHead

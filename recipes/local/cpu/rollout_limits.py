@@ -46,7 +46,7 @@ def problems(
             f"{model_dir}: the tokenizer has {tokens} tokens for vocab_size "
             f"{config['vocab_size']}; verl's vLLM rollout never samples ids past the "
             "tokenizer, so its log-probs would not be the actor's: add tokens up to the "
-            "vocabulary size (as recipes/local/task.py's RESERVED)"
+            "vocabulary size (as recipes/local/task/doubles.py's RESERVED)"
         )
     return found
 

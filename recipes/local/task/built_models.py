@@ -1,7 +1,7 @@
 """The models a local run builds itself (`--model tiny`, `--model mini`), once per run directory.
 
 Each is a random Qwen3-MoE of a shape in parallel.models, with the toy task's vocabulary and
-character tokenizer (recipes.local.task), written to `<out>/<name>_hf`: the directory is named
+character tokenizer (recipes.local.task.doubles), written to `<out>/<name>_hf`: the directory is named
 by the model, so a run directory made with one never hands the other's to a rerun.
 `mini` (MINI_QWEN3_MOE, 128 experts, top-8: Qwen3-30B-A3B's routing) is the default;
 `tiny` (TINY_QWEN3_MOE, 8 experts, top-2) is kept for fast tests. Each exists where
@@ -14,12 +14,12 @@ from pathlib import Path
 
 BUILT = ("tiny", "mini")
 DEFAULT = "mini"
-# each model's task (recipes.local.overrides.TASKS): the mini model answers worked sums from
+# each model's task (recipes.local.cpu_overrides.TASKS): the mini model answers worked sums from
 # an SFT warm-up (recipes.local.warmup); the tiny one and a user's directory the doubles
 TASK_OF = {"tiny": "doubles", "mini": "sums"}
 WARMED = ("mini",)  # RL starts from <out>/sft_hf, the warm-up's export
 SHAPE_NAMES = {"tiny": "TINY_QWEN3_MOE", "mini": "MINI_QWEN3_MOE"}
-# the ids of the task's tokenizer (recipes.local.task: <|endoftext|> pads, <|im_end|> ends)
+# the ids of the task's tokenizer (recipes.local.task.doubles: <|endoftext|> pads, <|im_end|> ends)
 TOKEN_IDS = dict(eos_token_id=2, pad_token_id=0)
 
 
@@ -49,14 +49,14 @@ def partial_dir(out: Path, name: str) -> Path:
 def built_config(name: str) -> dict:
     """config.json's architecture fields of the built model, in memory: what the launcher
     checks before anything is written (a dry run writes nothing)."""
-    from recipes.local.task import VOCAB_SIZE
+    from recipes.local.task.doubles import VOCAB_SIZE
 
     return {"model_type": "qwen3_moe", **shape(name), "vocab_size": VOCAB_SIZE, **TOKEN_IDS}
 
 
 def tokenizer_length() -> int:
     """Tokens of the task's tokenizer that the build writes with every built model."""
-    from recipes.local.task import RESERVED, VOCAB
+    from recipes.local.task.doubles import RESERVED, VOCAB
 
     return len(VOCAB) + len(RESERVED)
 
@@ -64,8 +64,8 @@ def tokenizer_length() -> int:
 def make_built(out: Path, name: str, seed: int = 0) -> Path:
     """<out>/<name>_hf (model + tokenizer), made once: written under a partial name, then
     renamed, so a killed build is never taken for a model."""
-    from recipes.local.task import write_tokenizer
-    from recipes.local.tiny_model import make_tiny_checkpoint
+    from recipes.local.task.doubles import write_tokenizer
+    from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
 
     hf_dir = built_dir(out, name)
     if (hf_dir / "tokenizer.json").is_file():

@@ -36,7 +36,7 @@ def make_checkpoint(out_dir: str | Path, shape: str = "tiny", seed: int = 0, **o
     transformers' init zeroes the row of `pad_token_id` (nn.Embedding's padding_idx), and a
     zero row, once the policy emits that token, meets the first RMSNorm at x = 0, whose
     backward scales by 1 / sqrt(eps) (1000 at eps 1e-6): the first update's gradient norm
-    was 70 instead of 1.8, all of it on that row (tests/test_first_update.py). The model is
+    was 70 instead of 1.8, all of it on that row (tests/recipes/test_first_update.py). The model is
     built without the pad id and the id is written to the saved configs, so every other
     weight is the same draw as before.
     """

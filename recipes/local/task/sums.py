@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.local.task import dapo_row
+from recipes.local.task.doubles import dapo_row
 
 MAX_OPERANDS = 6
 MAX_DIGIT = 3  # operands 0..3; a sum over 9 is drawn again
@@ -65,7 +65,7 @@ def draw_sums(count: int, seed: int) -> list[Sum]:
 
 
 def rl_row(s: Sum, index: int, split: str) -> dict:
-    """The sum as a DAPO row (recipes.local.task.dapo_row), its operand count in extra_info."""
+    """The sum as a DAPO row (recipes.local.task.doubles.dapo_row), its operand count in extra_info."""
     return dapo_row(s, index, split, operands=len(s.operands))
 
 
