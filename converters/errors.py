@@ -1,7 +1,7 @@
 """The one error type the converters raise for bad input or output; the CLI prints it in one line."""
 
 from backend.model.families import ConfigError
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.table import MappingError
 
 

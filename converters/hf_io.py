@@ -6,12 +6,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from backend.shared.errors import CheckpointError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing, incomplete or unreadable."""
 
 
 def shard_files(ckpt_dir: str | Path) -> list[Path]:

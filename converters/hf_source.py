@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from converters.hf_io import INDEX, CheckpointError, shard_files
+from backend.shared.errors import CheckpointError
+from converters.hf_io import INDEX, shard_files
 
 DTYPES = {
     "BF16": torch.bfloat16,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from backend.shared.errors import CheckpointError
 from converters.errors import ConversionError
-from converters.hf_io import CheckpointError
 
 NAME = "manifest.json"
 VERSION = 2  # 2: `files` added (1: tensors only)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 
 STAGE = 32 << 20  # bytes per O_DIRECT write
 STAGES = 3  # one filling, up to two being written

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from math import lcm
 
 from backend.qwen3_moe import Qwen3MoeSpec
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 
 # megatron-core pads the vocab to a multiple of make_vocab_size_divisible_by * tp
 VOCAB_DIVISIBLE_BY = 128

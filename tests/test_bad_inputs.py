@@ -57,16 +57,16 @@ def sources(tiny_hf_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.cli}: {c.what}" for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
-    from recipes.dapo.cluster import ray_job as cluster
+    from recipes.dapo.cluster import ray_job
 
-    real_run = cluster.run_command
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, *a, **kw: pytest.fail(f"started {cmd}"))
+    real_run = ray_job.run_command
+    monkeypatch.setattr(ray_job, "run_command", lambda cmd, *a, **kw: pytest.fail(f"started {cmd}"))
     ctx = Ctx(tmp_path, *sources)
     argv = [str(a) for a in case.setup(ctx)]
     if case.child:  # the training child's place taken by the case's stand-in
         child = [sys.executable, "-c", case.child(ctx)]
         monkeypatch.setattr(
-            cluster, "run_command", lambda cmd, env, *a, **kw: real_run(child, env, *a, **kw)
+            ray_job, "run_command", lambda cmd, env, *a, **kw: real_run(child, env, *a, **kw)
         )
     capsys.readouterr()
     try:

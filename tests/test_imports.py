@@ -1,5 +1,7 @@
 """The project's import graph: no circles, and imports run one way down the floors
-scripts -> recipes -> converters -> parallel -> backend. Read from the source with `ast`:
+scripts -> recipes -> converters -> parallel -> backend; inside recipes/, down its rooms
+(RECIPE_ROOMS): the launcher over the embedded CPU run (local) over the cluster path (dapo),
+so dapo never imports local, nor either the launcher. Read from the source with `ast`:
 every import statement, module level or inside a function, relative ones resolved, and
 `from pkg import sub` counted as an import of pkg.sub when sub is a module."""
 
@@ -11,6 +13,21 @@ import pytest
 pytestmark = pytest.mark.no_mcore  # reads source, imports nothing of the project
 
 FLOORS = ("backend", "parallel", "converters", "recipes", "scripts")  # bottom first
+# recipes' subpackages, bottom first; a module belongs to the longest room naming it (the
+# modules directly in recipes/dapo and recipes/local are rooms of their own)
+RECIPE_ROOMS = (
+    "recipes",
+    "recipes.dapo",  # BACKEND, the actor's plan limit, LaunchError
+    "recipes.dapo.job",  # verl's overrides, fit, trainer modes, which actor
+    "recipes.dapo.checkpoints",  # files, background saves, resume as data
+    "recipes.dapo.engine",  # what runs in verl's workers
+    "recipes.dapo.cluster",  # processes, Ray, nodes, the run's scope
+    "recipes.dapo.console",  # what a person sees
+    "recipes.local.cpu",  # verl's CPU platform, vLLM's CPU build as a rollout
+    "recipes.local.task",  # the tasks, the built models
+    "recipes.local",  # the embedded run: overrides, warm-up, export, finish
+    "recipes.launcher",  # arguments -> RunSpec -> the cluster run or the embedded one
+)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,6 +121,24 @@ def upward_lines(root: Path) -> list[str]:
     ]
 
 
+def room(module: str) -> str:
+    """The recipes room a recipes module belongs to."""
+    return max((r for r in RECIPE_ROOMS if module == r or module.startswith(r + ".")), key=len)
+
+
+def upward_room_lines(root: Path) -> list[str]:
+    graph, files = import_graph(root)
+    rank = {r: i for i, r in enumerate(RECIPE_ROOMS)}
+    return [
+        f"{files[module].relative_to(root)}:{line}: {module} imports {target}, a recipes room "
+        f"above its own ({room(module)} < {room(target)} in RECIPE_ROOMS)"
+        for module, edges in sorted(graph.items())
+        if module.startswith("recipes")
+        for target, line in sorted(edges.items())
+        if target.startswith("recipes") and rank[room(target)] > rank[room(module)]
+    ]
+
+
 def test_no_import_circles():
     found = circle_lines(ROOT)
     assert not found, "\n".join(found)
@@ -112,6 +147,34 @@ def test_no_import_circles():
 def test_imports_run_down_the_floors():
     found = upward_lines(ROOT)
     assert not found, "\n".join(found)
+
+
+def test_recipes_import_down_their_rooms():
+    """dapo <-> local and package-level circles inside recipes/ show up here first."""
+    found = upward_room_lines(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_every_recipes_package_has_a_room():
+    packages = sorted({m for m in import_graph(ROOT)[1] if m.startswith("recipes")
+                       and (ROOT / m.replace(".", "/") / "__init__.py").is_file()})  # fmt: skip
+    assert packages == sorted(RECIPE_ROOMS)
+
+
+def test_the_checker_names_an_upward_room_import(tmp_path):
+    root = _tree(tmp_path, {
+        "recipes/__init__.py": "",
+        "recipes/dapo/__init__.py": "",
+        "recipes/dapo/cluster/__init__.py": "",
+        "recipes/dapo/cluster/ray_job.py": "def f():\n    from recipes.local import overrides\n",
+        "recipes/local/__init__.py": "",
+        "recipes/local/overrides.py": "from recipes.dapo.cluster.ray_job import f\n",
+    })  # fmt: skip
+    assert upward_room_lines(root) == [
+        "recipes/dapo/cluster/ray_job.py:2: recipes.dapo.cluster.ray_job imports "
+        "recipes.local.overrides, a recipes room above its own (recipes.dapo.cluster < "
+        "recipes.local in RECIPE_ROOMS)"
+    ]
 
 
 def _tree(root: Path, sources: dict[str, str]) -> Path:

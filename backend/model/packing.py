@@ -17,7 +17,7 @@ from math import lcm
 
 import torch
 
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 
 # the packed-length ladder's step by device (mcore_ep.packed_length_step unset): Ascend's
 # operators recompile (or refuse) on every new shape, so its packed totals are multiples of

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from backend.shared.names import ceil_div
+from backend.shared.integers import ceil_div
 
 LAYER_METRICS = ("max_over_mean", "cv", "entropy", "dead", "top10_share", "ep_max_over_mean")
 

@@ -1,5 +1,4 @@
-"""Names and integer helpers shared by backend/, parallel/, recipes/ and scripts/ (no imports:
-any layer may use it)."""
+"""Names shared by backend/, parallel/, recipes/ and scripts/ (no imports: any layer may use it)."""
 
 # the accelerators by the name a person reads (plans, launcher summaries) and as a run-name tag
 DEVICE_LABELS = {"npu": "Ascend A2", "cuda": "H100", "cpu": "CPU"}
@@ -11,13 +10,3 @@ AUX_LOSS_PREFIX = "moe/aux_loss"
 # the EP skew (busiest EP rank's tokens / the mean) a fresh run's memory plan assumes and the
 # monitor's SkewGuard then holds the run to (parallel.skew says why 2)
 DEFAULT_EP_SKEW = 2.0
-
-
-def ceil_div(n: int, d: int) -> int:
-    """ceil(n / d) in integers (no float rounding)."""
-    return -(-n // d)
-
-
-def round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple of `multiple`."""
-    return ceil_div(n, multiple) * multiple

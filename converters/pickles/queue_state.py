@@ -25,7 +25,7 @@ import struct
 from collections import OrderedDict
 from pathlib import Path
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.safe_pickle import UnsafeCheckpointError
 
 # torch.serialization's legacy stream (torch.save(..., _use_new_zipfile_serialization=False))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 
 METADATA = ".metadata"
 COMMON = "common.pt"

@@ -30,7 +30,7 @@ routes every token on every TP rank: it is clear of all three and is left as it 
 import re
 from pathlib import Path
 
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.errors import LaunchError
 
 R = "actor_rollout_ref.rollout"
 VLLM_KWARGS = f"{R}.engine_kwargs.vllm."
@@ -107,7 +107,7 @@ def refusal(groups: dict[str, dict]) -> str | None:
     return None
 
 
-def check(device: str, groups: dict[str, dict]) -> None:
+def check_r3_rollout(device: str, groups: dict[str, dict]) -> None:
     """LaunchError (exit 2, before Ray) for R3 on npu with a rollout vllm-ascend cannot record."""
     from recipes.dapo import BACKEND
     from recipes.dapo.job.overrides import ACTOR, value_of

@@ -33,9 +33,8 @@ from pathlib import Path
 from backend.shared.cli_contract import parse_or_exit_code, run_cli
 from recipes.dapo.checkpoints import resume
 from recipes.dapo.checkpoints.files import ACTOR
-from recipes.dapo.cluster import lost_node
-from recipes.dapo.cluster import ray_job as cluster
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.cluster import lost_node, ray_job
+from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides, trainer_modes
 from recipes.launcher import local_checks, stack
 from recipes.launcher.resolution import (
@@ -64,11 +63,11 @@ def run(args, extra: list[str]) -> int:
     prepared_s = prepare_local(out, args, model.name) if device == "cpu" else 0.0
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
     if device == "npu":
-        cluster.raise_open_files()
+        ray_job.raise_open_files()
     env, watch = resolved.run.env, None
     if device != "cpu" or args.ray_address:  # a running cluster: the same steps on every device
         devices = resolved.run.plan.world + trainer_modes.run_split(resolved.run).rollout_devices
-        cluster.check_ray(device, devices, args.ray_address, env)
+        ray_job.check_ray(device, devices, args.ray_address, env)
         watch = lost_node.NodeWatch(args.ray_address, env)
     if device == "cpu":
         from recipes.local.run import run as run_local
@@ -127,7 +126,7 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
         with RunScope(run_dir / "logs") as scope:  # the driver's processes end with the run
             console.log.write(f"run id: {scope.id} (temp dir {scope.tmp}; {scope.log})\n")
             env = {**resolved.run.env, **scope.env}
-            code = cluster.run_command(resolved.command, env, console, watch)
+            code = ray_job.run_command(resolved.command, env, console, watch)
         actor = latest_actor_checkpoint(run_dir) if code == 0 else None
         with console.capture():
             written = routing_report(actor / "moe_report.json", run_dir) if actor else {}
@@ -136,7 +135,7 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
     for name, path in written.items():
         print(f"{name}: {path}")
     resume_hint = "relaunch the same command (trainer.resume_mode=auto resumes it)"
-    lost = cluster.interrupted_line(code, resolved.run.ckpt_dir) or (
+    lost = ray_job.interrupted_line(code, resolved.run.ckpt_dir) or (
         lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
     )
     if lost:
@@ -148,10 +147,10 @@ def settle_resume(groups: dict[str, dict]) -> None:
     """The checkpoint verl will resume from: a complete one (a line says which, when a
     stopped run left one half written), and what verl will unpickle, checked; the engine is
     told which, to check its bytes when it starts rather than after the rollout's start-up."""
-    note = resume.settle_unfinished(groups, cluster.REPO)
+    note = resume.settle_unfinished(groups, ray_job.REPO)
     if note:
         print(note)
-    step_dir = resume.check_resume(groups, cluster.REPO)
+    step_dir = resume.check_resume(groups, ray_job.REPO)
     if step_dir is not None and overrides.runs_ours(groups):
         key = f"{overrides.ENGINE}.resume_from"
         groups["engine"][key] = str((step_dir / ACTOR).resolve())

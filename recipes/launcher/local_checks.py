@@ -18,8 +18,8 @@ from pathlib import Path
 
 from recipes.dapo import check_actor_cp
 from recipes.dapo.checkpoints import resume
-from recipes.dapo.cluster import ray_job as cluster
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides
 from recipes.local.task.built_models import BUILT
 
@@ -67,8 +67,8 @@ def check_resume(groups: dict[str, dict], out: Path) -> None:
     """--resume: verl's resume_mode=auto must find a checkpoint in the run's directory."""
     if str(overrides.value_of(groups, "trainer.resume_mode") or "auto") != "auto":
         return  # resume_path / disable: the overrides name what to do
-    root = cluster.REPO / str(overrides.value_of(groups, "trainer.default_local_dir"))
-    if resume.resume_dir(groups, cluster.REPO) is None and not list(root.glob("global_step_*")):
+    root = ray_job.REPO / str(overrides.value_of(groups, "trainer.default_local_dir"))
+    if resume.resume_dir(groups, ray_job.REPO) is None and not list(root.glob("global_step_*")):
         raise LaunchError(
             f"--resume: {root} holds no checkpoint to continue: drop --resume to start a new "
             f"run in {out}, or pass the --ckpt-dir of the run to continue"

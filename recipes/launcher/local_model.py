@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides
-from recipes.local.task import built_models as models
+from recipes.local.task import built_models
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 FLAG_HELP = (
@@ -41,7 +41,7 @@ class LocalModel:
     @property
     def warmed(self) -> bool:
         """RL starts from the SFT warm-up's export (recipes.local.warmup)."""
-        return self.built and self.name in models.WARMED
+        return self.built and self.name in built_models.WARMED
 
     def describe(self) -> str:
         """The dry run's line naming the model."""
@@ -67,29 +67,30 @@ def choose(flag: str | None, extra: list[str], out: Path) -> LocalModel:
         )
     if given is not None:
         return checked_dir(given, f"{MODEL_KEY}={passed[-1]}")
-    name = flag or models.DEFAULT
-    if name in models.BUILT:
-        if models.shape(name) is None:
+    name = flag or built_models.DEFAULT
+    if name in built_models.BUILT:
+        if built_models.shape(name) is None:
             raise LaunchError(
-                f"--model {name}: this tree's parallel.models has no {models.SHAPE_NAMES[name]}, "
+                f"--model {name}: this tree's parallel.models has no {built_models.SHAPE_NAMES[name]}, "
                 f"so the {name} model is not available here: use --model tiny or a directory"
             )
-        path = models.rl_dir(out, name)
-        config = models.built_config(name)
+        path = built_models.rl_dir(out, name)
+        config = built_models.built_config(name)
         if (path / "config.json").is_file():  # made by an earlier launch in this directory
             config = json.loads((path / "config.json").read_text())
-        return LocalModel(name, path, config, True, models.tokenizer_length(),
-                          models.TASK_OF[name])  # fmt: skip
+        return LocalModel(name, path, config, True, built_models.tokenizer_length(),
+                          built_models.TASK_OF[name])  # fmt: skip
     return checked_dir(Path(name).expanduser(), f"--model {name}")
 
 
 def _as_dir(flag: str) -> Path | None:
-    return None if flag in models.BUILT else Path(flag).expanduser().absolute()
+    return None if flag in built_models.BUILT else Path(flag).expanduser().absolute()
 
 
 def checked_dir(path: Path, label: str) -> LocalModel:
     """The user's model directory: what verl's trainer and the rollout read, present."""
-    from converters.hf_io import CheckpointError, shard_files
+    from backend.shared.errors import CheckpointError
+    from converters.hf_io import shard_files
 
     fix = "pass the directory of a small HF Qwen3-MoE with its tokenizer, or --model tiny"
     if not (path / "config.json").is_file():

@@ -17,14 +17,12 @@ from pathlib import Path
 
 from backend.shared.cli_contract import OneLineParser
 from recipes.dapo import check_actor_cp
-from recipes.dapo.cluster import ray_job as cluster
-from recipes.dapo.cluster.ray_job import LaunchError
-from recipes.dapo.job import actors as engines
-from recipes.dapo.job import overrides, trainer_modes
-from recipes.launcher import a2_replay, dry_run, local_model
-from recipes.launcher import datasets as data
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.errors import LaunchError
+from recipes.dapo.job import actors, overrides, trainer_modes
+from recipes.launcher import a2_replay, datasets, dry_run, local_model
 from recipes.launcher.verl_schema import check_overrides
-from recipes.local.cpu_overrides import TASKS
+from recipes.local.cpu_overrides import TASKS, cpu_overrides
 from recipes.local.warmup import WARMUP
 
 # the launcher's --help headline (recipes/launcher/launch.py is the entry point)
@@ -66,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", metavar="tiny|mini|DIR", help=local_model.FLAG_HELP)
     p.add_argument(
-        "--train-file", help=f"{data.TRAIN.filename} (scripts/prepare_data.py checks it)"
+        "--train-file", help=f"{datasets.TRAIN.filename} (scripts/prepare_data.py checks it)"
     )
-    p.add_argument("--val-file", help=f"{data.VAL.filename}")
+    p.add_argument("--val-file", help=f"{datasets.VAL.filename}")
     p.add_argument(
         "--ckpt-dir",
         help=f"checkpoints and logs (shared filesystem); local run: its directory (default "
@@ -91,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine",
-        choices=engines.ENGINES,
-        default=engines.BACKEND,
+        choices=actors.ENGINES,
+        default=actors.BACKEND,
         help="the actor: mcore_ep (ours, the default) or fsdp (verl's own FSDP2 engine on the "
         "same job, over the ranks the plan takes: the side by side, docs/ab_engines.md)",
     )
@@ -195,27 +193,27 @@ def check_model(path: str) -> Path:
 def check_data(train: str | None, val: str | None, groups: dict, counts: bool = False) -> None:
     """Each data file given (a dry run may give either or none), its data_source values
     against the reward these overrides configure."""
-    given = [(p, d) for p, d in ((train, data.TRAIN), (val, data.VAL)) if p is not None]
+    given = [(p, d) for p, d in ((train, datasets.TRAIN), (val, datasets.VAL)) if p is not None]
     scorer = reward_scorer(groups) if given else None
     for path, dataset in given:
-        report = data.check_file(Path(path).expanduser(), dataset, counts=counts, scorer=scorer)
+        report = datasets.check_file(Path(path).expanduser(), dataset, counts=counts, scorer=scorer)
         if not report.ok:
             raise LaunchError(f"{dataset.name} {report.path}: " + "; ".join(report.problems))
 
 
 def reward_scorer(groups: dict):
-    """The scoring function verl's reward manager will use (data.check_file's `scorer`): None
+    """The scoring function verl's reward manager will use (datasets.check_file's `scorer`): None
     for a custom_reward_function (it scores every data_source), else verl's default one."""
     custom = overrides.value_of(groups, "reward.custom_reward_function.path")
     if custom not in (None, "", "null"):
-        if not (cluster.REPO / Path(str(custom)).expanduser()).is_file():
+        if not (ray_job.REPO / Path(str(custom)).expanduser()).is_file():
             raise LaunchError(
                 f"reward.custom_reward_function.path {custom} does not exist: pass the file "
                 "that defines the reward function (relative paths start at the repository)"
             )
         return None
-    manager = overrides.value_of(groups, "reward.reward_manager.name") or data.DAPO_MANAGER
-    return data.default_scorer(str(manager))
+    manager = overrides.value_of(groups, "reward.reward_manager.name") or datasets.DAPO_MANAGER
+    return datasets.default_scorer(str(manager))
 
 
 def resolve(args, device: str, extra: list[str]) -> Resolved:
@@ -233,9 +231,9 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
     # a dry run needs no files: the embedded Qwen3-30B-A3B config stands in for --model
     if not args.dry_run:
         _require(args, "model", "train_file", "val_file", "ckpt_dir")
-    defaults = CLUSTER_PLAN if args.engine == engines.BACKEND else {**CLUSTER_PLAN, "tp": 1}
+    defaults = CLUSTER_PLAN if args.engine == actors.BACKEND else {**CLUSTER_PLAN, "tp": 1}
     dims = {d: v if getattr(args, d) is None else getattr(args, d) for d, v in defaults.items()}
-    engines.check(args.engine, dims, args.trainer_mode)
+    actors.check_engine_plan(args.engine, dims, args.trainer_mode)
     check_actor_cp(dims["cp"])
     model = check_model(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
@@ -257,7 +255,7 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         if device == "npu":
             require("torch_npu", "--device npu")
     ckpt_dir = Path(args.ckpt_dir or "<ckpt-dir>").expanduser()
-    env = {**cluster.job_env(device, args.ifname), "TENSORBOARD_DIR": str(ckpt_dir / "tensorboard")}
+    env = {**ray_job.job_env(device, args.ifname), "TENSORBOARD_DIR": str(ckpt_dir / "tensorboard")}
     run = overrides.RunSpec(
         device,
         plan,
@@ -273,13 +271,13 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
         engine=args.engine,
     )
     built = overrides.build(run)
-    if args.engine == engines.BACKEND:
+    if args.engine == actors.BACKEND:
         # the engine's SkewGuard warns when measured routing exceeds what the verdict assumed
         built["engine"][f"{overrides.ENGINE}.monitor.assumed_ep_skew"] = skew.value
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     check_mode(args.trainer_mode, groups)
-    a2_replay.check(device, groups)  # R3 on A2: rollouts vllm-ascend 0.23 cannot record
+    a2_replay.check_r3_rollout(device, groups)  # R3 on A2: rollouts vllm-ascend 0.23 cannot record
     check_data(args.train_file, args.val_file, groups)  # before Ray: verl scores at step 1
     groups = overrides.name_the_run(groups)
     return Resolved(
@@ -289,11 +287,11 @@ def resolve(args, device: str, extra: list[str]) -> Resolved:
 
 def check_mode(mode: str, groups: dict[str, dict]) -> None:
     """The trainer mode against the values the run ends up with (pass-through overrides
-    included): trainer_modes.check's one line."""
+    included): trainer_modes.check_values's one line."""
     of = lambda key: overrides.value_of(groups, key)  # noqa: E731
-    trainer_modes.check(mode, {
+    trainer_modes.check_values(mode, {
         "router_replay": of(f"{overrides.ACTOR}.{overrides.BACKEND}.router_replay"),
-        "train_batch": of("data.train_batch_size"),
+        "train_batch": of("datasets.train_batch_size"),
         "mini_batch": of(f"{overrides.ACTOR}.ppo_mini_batch_size"),
         "sync_step": of(trainer_modes.SYNC_STEP),
     })  # fmt: skip
@@ -322,7 +320,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
             "(this machine has no accelerator; the local run trains on the toy task)"
         )
     dims = {d: getattr(args, d) or 1 for d in CLUSTER_PLAN}
-    engines.check(args.engine, dims, args.trainer_mode)
+    actors.check_engine_plan(args.engine, dims, args.trainer_mode)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
     data_dir = out / "data"
     model = local_model.choose(args.model, extra, out)
@@ -348,7 +346,7 @@ def resolve_local(args, extra: list[str]) -> tuple[Resolved, Path, local_model.L
         task=model.task, trainer_mode=args.trainer_mode,
         rollout_nodes=sp.rollout_nodes, engine=args.engine,
     )  # fmt: skip
-    built = overrides.build(run)
+    built = overrides.build(run, on_top=cpu_overrides(run))
     groups, replaced = overrides.merge(built, extra)
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), extra)
     check_mode(args.trainer_mode, groups)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.errors import LaunchError
 from recipes.launcher.a2_replay import A2_R3
 
 STACKS = Path(__file__).resolve().parents[2] / "scripts" / "stacks"

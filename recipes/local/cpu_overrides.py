@@ -6,22 +6,9 @@ loss, dynamic sampling on `acc`, GRPO, the dapo reward manager, the engine, chec
 resume) is the cluster's.
 """
 
-PLATFORM_MODULES = "recipes.local.cpu.platform"
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
 ROLLOUT_TP = 1
-# the CPU platform's part of the job environment (recipes.dapo.cluster.ray_job.job_env): the driver's
-# and every Ray worker's, on the embedded run and on a cluster alike
-CPU_ENV = {
-    "VERL_PLATFORM": "cpu",
-    "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
-    "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
-    # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
-    # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "TOKENIZERS_PARALLELISM": "false",
-    "RAY_DEDUP_LOGS": "0",
-}
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
 # per-sample rollout path (timings: docs/cpu_run.md, "The toy task")
 TOY = dict(

@@ -122,7 +122,7 @@ def write_summary(out: Path, history: list[dict], target: float, paths: dict, wa
 def _model_name(paths: dict) -> str:
     """The trained model as the plot names it: a built one by its name (tiny_hf: tiny), else
     its directory's name."""
-    from recipes.local.warmup import SFT_DIR
+    from recipes.local.task.built_models import SFT_DIR
 
     model = paths.get("model")
     if model and Path(model).name == SFT_DIR:  # RL reads the warm-up's export

@@ -24,7 +24,9 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-SFT_DIR, WORK_DIR = "sft_hf", "warmup"  # under the run directory: the warmed model, the work
+from recipes.local.task.built_models import warmed_dir
+
+WORK_DIR = "warmup"  # under the run directory: the warm-up's work (its export: SFT_DIR)
 PROGRESS_EVERY_S = 15.0
 ENGINE_TARGET = "recipes.dapo.engine.config.McoreEpEngineConfig"
 ENGINE_MODULE = "recipes.dapo.engine.verl_engine"
@@ -82,10 +84,6 @@ class WarmupError(RuntimeError):
     """The warm-up's trainer or export failed: the message names its log."""
 
 
-def warmed_dir(out: Path) -> Path:
-    return out / SFT_DIR
-
-
 def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
             say=print) -> Path:  # fmt: skip
     """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (converters write
@@ -127,7 +125,7 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
 
 def _env(metrics: Path) -> dict[str, str]:
     """One rank of its own world (torchrun's variables, without its agent process)."""
-    from recipes.local.cpu_overrides import CPU_ENV
+    from recipes.dapo.cluster.ray_job import CPU_ENV
 
     env = {**os.environ, **CPU_ENV, "VERL_FILE_LOGGER_PATH": str(metrics)}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",

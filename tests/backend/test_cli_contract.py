@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from backend.shared.cli_contract import BROKEN_PIPE, run_cli
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -74,5 +74,5 @@ def test_the_launcher_passes_sigterm_on_to_its_child_and_waits(tmp_path):
 
     threading.Thread(target=terminate_when_ready, daemon=True).start()
     # the child stopped with its own 7; the launcher, signalled, reports the signal (130 / 143)
-    assert cluster.run_command([sys.executable, "-c", child], {}) == 143
+    assert ray_job.run_command([sys.executable, "-c", child], {}) == 143
     assert mark.read_text() == "x" and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

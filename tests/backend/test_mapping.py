@@ -5,7 +5,8 @@ import torch
 
 from backend.model.weight_mappings import fuse_qkv, split_qkv
 from backend.qwen3_moe import fuse_experts, load_qwen3_moe_spec, unfuse_experts
-from converters.hf_io import CheckpointError, read_state_dict
+from backend.shared.errors import CheckpointError
+from converters.hf_io import read_state_dict
 from converters.table import ExpertSlice, MappingError, hf_to_mcore, mcore_to_hf
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.queue_state import check_legacy_storage, check_queue_state
 from converters.pickles.safe_pickle import UnsafeCheckpointError
 from recipes.dapo.checkpoints import resume

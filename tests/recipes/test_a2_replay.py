@@ -5,7 +5,7 @@ the default A2 rollout passes."""
 
 import pytest
 
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
 from recipes.launcher import a2_replay, launch
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
@@ -22,8 +22,8 @@ R3 = [
 @pytest.fixture
 def nothing_starts(monkeypatch):
     started = []
-    monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
-    monkeypatch.setattr(cluster, "run_command", lambda *a: started.append("verl") or 0)
+    monkeypatch.setattr(ray_job, "check_ray", lambda *a: started.append("ray"))
+    monkeypatch.setattr(ray_job, "run_command", lambda *a: started.append("verl") or 0)
     return started
 
 

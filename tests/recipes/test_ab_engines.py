@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.fsdp_state import check_fsdp_checkpoint, is_complete, rank_files
 from converters.pickles.safe_pickle import UnsafeCheckpointError
 

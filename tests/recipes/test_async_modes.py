@@ -7,7 +7,7 @@ tests/recipes/test_trainer_modes.py; its launch is measured by scripts/bench/asy
 
 import pytest
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.queue_state import check_queue_state
 from recipes.dapo.console.step_line import LAG_LEGEND
 from tests.recipes.test_verl_cpu_trainer import STEP_ROW, history, launch

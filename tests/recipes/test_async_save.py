@@ -10,9 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from recipes.dapo.checkpoints import async_save as saving
-from recipes.dapo.checkpoints import files as ckpt_layout
-from recipes.dapo.checkpoints import resume
+from recipes.dapo.checkpoints import async_save, files, resume
 from recipes.dapo.engine import weights
 from tests.recipes.test_optim import _adam_state, _train_step
 from tests.recipes.test_verl_engine import build_engine
@@ -99,9 +97,9 @@ def test_the_step_goes_on_and_the_checkpoint_holds_the_saves_moment(
     # of the shards, copied to the host only when the writer starts (on CPU megatron-core
     # clones views at planning, so the order cannot show in the bytes here)
     assert calls[-2:] == ["commit", "offload"] and "offload" not in calls[:-1]
-    model, optim = root / ckpt_layout.MODEL_DIR, root / ckpt_layout.OPTIM_STATE
-    assert not (model / ".metadata").exists() and not ckpt_layout.is_complete(root)
-    assert not (tmp_path / ckpt_layout.TRACKER).exists()
+    model, optim = root / files.MODEL_DIR, root / files.OPTIM_STATE
+    assert not (model / ".metadata").exists() and not files.is_complete(root)
+    assert not (tmp_path / files.TRACKER).exists()
     assert engine.optim.is_offloaded()  # the parameters' storage given back meanwhile
     _train_step(engine, seed=1)  # the optimizer state (on the host) changes in place meanwhile
     assert engine.writer.pending is not None  # still writing: the step did not wait for it
@@ -109,7 +107,7 @@ def test_the_step_goes_on_and_the_checkpoint_holds_the_saves_moment(
     moved = [not torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(*at, strict=True)]
     assert any(moved)
     engine.writer.finish()
-    assert ckpt_layout.is_complete(root) and (tmp_path / ckpt_layout.TRACKER).read_text() == "1"
+    assert files.is_complete(root) and (tmp_path / files.TRACKER).read_text() == "1"
     for d in (model, optim):  # every byte in its manifest, checked as a resume checks it
         weights.check_sealed([d])
 
@@ -124,15 +122,15 @@ def test_a_train_batch_seals_a_finished_save_and_the_next_save_waits_for_one(mak
     engine.save_checkpoint(str(first), global_step=1)
     while engine.writer.pending is not None:  # each train_batch moves it on, never waits
         _train_step(engine, seed=0)
-    assert ckpt_layout.is_complete(first) and (tmp_path / ckpt_layout.TRACKER).read_text() == "1"
+    assert files.is_complete(first) and (tmp_path / files.TRACKER).read_text() == "1"
     second = tmp_path / "global_step_2" / "actor"
     engine.save_checkpoint(str(second), global_step=2)
     third = tmp_path / "global_step_3" / "actor"
     engine.save_checkpoint(str(third), global_step=3, max_ckpt_to_keep=2)
-    assert ckpt_layout.is_complete(second)  # sealed before the third one started
+    assert files.is_complete(second)  # sealed before the third one started
     engine.writer.finish()
-    assert (tmp_path / ckpt_layout.TRACKER).read_text() == "3"
-    assert not first.exists() and ckpt_layout.is_complete(third)  # max_ckpt_to_keep of the sealed
+    assert (tmp_path / files.TRACKER).read_text() == "3"
+    assert not first.exists() and files.is_complete(third)  # max_ckpt_to_keep of the sealed
 
 
 def test_the_runs_last_save_returns_sealed(make_engine, tmp_path):
@@ -147,8 +145,8 @@ def test_the_runs_last_save_returns_sealed(make_engine, tmp_path):
     _train_step(engine, seed=0)  # step 1's update; step 2 updates nothing
     root = tmp_path / "global_step_2" / "actor"
     engine.save_checkpoint(str(root), global_step=2)
-    assert engine.writer.pending is None and ckpt_layout.is_complete(root)
-    assert (tmp_path / ckpt_layout.TRACKER).read_text() == "2"
+    assert engine.writer.pending is None and files.is_complete(root)
+    assert (tmp_path / files.TRACKER).read_text() == "2"
 
 
 def test_a_run_stopped_while_saving_resumes_from_the_newest_complete_one(
@@ -189,12 +187,12 @@ def test_the_save_plan_is_reused_while_the_structure_is_unchanged(world1, tmp_pa
         real = module.validate_sharding_integrity
         count = partial(lambda real, *a, **k: checks.append(1) or real(*a, **k), real)
         monkeypatch.setattr(module, "validate_sharding_integrity", count)
-    writer = saving.CheckpointWriter(world1.dp, torch.device("cpu"))
+    writer = async_save.CheckpointWriter(world1.dp, torch.device("cpu"))
     strategies = []
     for i, shape in enumerate([(4, 3), (4, 3), (4, 3), (5, 3)]):
         out = tmp_path / f"save{i}"
         writer.write("model", _sharded(shape), out, async_save=True)
-        writer.commit(saving.PendingSave(out, [out], None, i))
+        writer.commit(async_save.PendingSave(out, [out], None, i))
         writer.finish()
         strategies.append(writer.plans._strategies["model"])
         assert load(_sharded(shape), str(out))["w"].shape == shape
@@ -206,7 +204,7 @@ def test_the_save_plan_is_reused_while_the_structure_is_unchanged(world1, tmp_pa
 
 def _saved(root, step: int, complete: bool) -> None:
     """An actor checkpoint's directories; complete ones carry their manifests."""
-    for sub in (ckpt_layout.MODEL_DIR, ckpt_layout.OPTIM_STATE):
+    for sub in (files.MODEL_DIR, files.OPTIM_STATE):
         d = root / f"global_step_{step}" / "actor" / sub
         d.mkdir(parents=True)
         if complete:
@@ -222,13 +220,13 @@ def test_the_tracker_never_names_a_half_written_checkpoint_to_verl(tmp_path):
     _saved(tmp_path, 4, complete=True)
     _saved(tmp_path, 6, complete=False)
     assert resume.settle_unfinished(groups, tmp_path).startswith("starting afresh (no checkpoint")
-    (tmp_path / ckpt_layout.TRACKER).write_text("6")
+    (tmp_path / files.TRACKER).write_text("6")
     assert resume.settle_unfinished(groups, tmp_path) == (
         f"resuming from {tmp_path / 'global_step_4'}, the newest complete checkpoint: "
         f"{tmp_path / 'global_step_6'} was not completely written (the run stopped while "
         "saving it; the next save of that step replaces it)"
     )
-    assert (tmp_path / ckpt_layout.TRACKER).read_text() == "4"
+    assert (tmp_path / files.TRACKER).read_text() == "4"
     assert resume.resume_dir(groups, tmp_path) == tmp_path / "global_step_4"
     assert resume.settle_unfinished(groups, tmp_path).startswith(
         f"resuming from {tmp_path / 'global_step_4'}"
@@ -236,11 +234,11 @@ def test_the_tracker_never_names_a_half_written_checkpoint_to_verl(tmp_path):
     path = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "global_step_6"}
     with pytest.raises(weights.CheckpointError, match="not completely written") as err:
         resume.settle_unfinished({"trainer": path}, tmp_path)
-    model_dir = ckpt_layout.MODEL_DIR
+    model_dir = files.MODEL_DIR
     assert str(err.value).startswith(f"{tmp_path / 'global_step_6' / 'actor' / model_dir}")
     for step in (2, 4):
         (tmp_path / f"global_step_{step}" / "actor" / model_dir / "manifest.json").unlink()
-    (tmp_path / ckpt_layout.TRACKER).write_text("4")
+    (tmp_path / files.TRACKER).write_text("4")
     assert resume.settle_unfinished(groups, tmp_path).startswith("starting afresh (no complete")
-    assert not (tmp_path / ckpt_layout.TRACKER).exists()  # verl starts afresh
+    assert not (tmp_path / files.TRACKER).exists()  # verl starts afresh
     assert resume.resume_dir(groups, tmp_path) is None

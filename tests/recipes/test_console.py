@@ -18,7 +18,7 @@ import pytest
 from verl.utils.logger.aggregate_logger import concat_dict_to_str
 
 from backend.monitor.alarms import AlarmRules, HealthAlarms
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
 from recipes.dapo.console.screen import (
     Console,
     clean,
@@ -166,7 +166,7 @@ def test_run_command_passes_every_child_line_through_the_console(tmp_path):
              "print('UserWarning: careful', file=sys.stderr, flush=True)\n"
              "print('chatter')\nsys.exit(5)\n")  # fmt: skip
     con, out = console(tmp_path, total_steps=1)
-    assert cluster.run_command([sys.executable, "-c", child], {}, con) == 5
+    assert ray_job.run_command([sys.executable, "-c", child], {}, con) == 5
     assert sorted(con.log_path.read_text().splitlines()) == sorted(
         ["step:1 - actor/entropy:0.5", "UserWarning: careful", "chatter"]
     )
@@ -196,7 +196,7 @@ def test_run_command_with_a_console_still_passes_sigterm_on(tmp_path):
 
     threading.Thread(target=terminate_when_ready, daemon=True).start()
     # the child stopped (its own status 7); the launcher's is the signal's (the CLI contract)
-    assert cluster.run_command([sys.executable, "-c", child], {}, con) == 143
+    assert ray_job.run_command([sys.executable, "-c", child], {}, con) == 143
     assert mark.read_text() == "x" and "stopping" in con.log_path.read_text()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
 from recipes.dapo.job import overrides
 from recipes.launcher import launch, resolution
 
@@ -56,7 +56,7 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
 
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     out, seen = tmp_path / "run", []
-    monkeypatch.setattr(cluster, "run_command", fake_verl(b"first run", seen))
+    monkeypatch.setattr(ray_job, "run_command", fake_verl(b"first run", seen))
     assert (
         launch.main(["--device", "cpu", "--model", "tiny", "--steps", "2", "--ckpt-dir", str(out)])
         == 0
@@ -84,7 +84,7 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
         capsys.readouterr().out
     )
 
-    monkeypatch.setattr(cluster, "run_command", fake_verl(b"second run", seen))
+    monkeypatch.setattr(ray_job, "run_command", fake_verl(b"second run", seen))
     assert (
         launch.main(["--device", "cpu", "--model", "tiny", "--steps", "2", "--ckpt-dir", str(out)])
         == 0
@@ -122,7 +122,7 @@ def test_a_dry_run_writes_nothing(where, tmp_path, monkeypatch, capsys):
     """Catches a dry run that writes: the local one made data/, tiny_hf/ and metrics/ in
     --ckpt-dir; the tree around --ckpt-dir (its parent) is the same after a dry run."""
     monkeypatch.chdir(tmp_path)  # the default --ckpt-dir, runs/local_dapo, is relative to it
-    monkeypatch.setattr(cluster, "run_command", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(ray_job, "run_command", lambda *a, **k: pytest.fail("started"))
     if where == "used dir":  # an earlier run's outputs, which a real launch would move
         (tmp_path / "run" / "checkpoints").mkdir(parents=True)
         (tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("5")

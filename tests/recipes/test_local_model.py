@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.console import health_report
 from recipes.launcher import launch, resolution
 from recipes.local import run as local_run
 
@@ -47,7 +48,7 @@ def test_the_launch_trains_and_finishes_on_the_users_dir(how, user_model, tmp_pa
     way of naming DIR, verl gets it, no tiny model is built, and finish gets DIR."""
     started, finished = [], []
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, *a, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(ray_job, "run_command", lambda cmd, *a, **k: started.append(cmd) or 0)
     monkeypatch.setattr(
         local_run, "finish", lambda out, model, *a, **k: finished.append(model) or 0
     )
@@ -63,12 +64,11 @@ def test_the_launch_trains_and_finishes_on_the_users_dir(how, user_model, tmp_pa
 def test_finish_exports_against_the_model_it_is_given(user_model, tmp_path, monkeypatch):
     """The finish's export and reload check take the trained model's dir as their template
     (a fake run dir: a checkpoint path, no verl)."""
-    from recipes.dapo.console import health_report as health
     from recipes.local import export
 
     actor, templates = tmp_path / "checkpoints" / "global_step_3" / "actor", []
-    monkeypatch.setattr(health, "latest_actor_checkpoint", lambda root: actor)
-    monkeypatch.setattr(health, "routing_report", lambda *a: {})
+    monkeypatch.setattr(health_report, "latest_actor_checkpoint", lambda root: actor)
+    monkeypatch.setattr(health_report, "routing_report", lambda *a: {})
     monkeypatch.setattr(
         export, "check_export", lambda a, template, o: templates.append((a, template)) or (o, 0.0)
     )

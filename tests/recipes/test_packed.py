@@ -9,7 +9,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 from tests.recipes.test_verl_engine import (
     LENGTHS,
     _engine_grads,

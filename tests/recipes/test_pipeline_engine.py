@@ -101,7 +101,7 @@ def test_pp2_engine_matches_world1_and_resumes_exactly(world1, tiny_hf_dir, tmp_
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
     from verl.workers.utils.padding import response_from_nested
 
-    from recipes.dapo.checkpoints import files as ckpt_layout
+    from recipes.dapo.checkpoints import files
     from recipes.dapo.engine import weights
     from tests.recipes import test_verl_engine as t
 
@@ -133,7 +133,7 @@ def test_pp2_engine_matches_world1_and_resumes_exactly(world1, tiny_hf_dir, tmp_
     assert last["resumed_from_changed"]
     assert last["after_load"] == last["after_save"]
     # the pp=2 checkpoint's weights load at pp=1 (megatron-core reshards)
-    weights.check_sealed([ckpt / ckpt_layout.MODEL_DIR])
-    weights.load_model(engine.module, ckpt / ckpt_layout.MODEL_DIR)
+    weights.check_sealed([ckpt / files.MODEL_DIR])
+    weights.load_model(engine.module, ckpt / files.MODEL_DIR)
     for k, v in engine.get_per_tensor_param()[0]:
         assert torch.equal(v, last["updated"][k]), k

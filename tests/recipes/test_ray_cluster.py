@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.dapo.cluster import lost_node, ray_node
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import lost_node, ray_job, ray_node
 from recipes.launcher import launch
 from recipes.local.cpu_overrides import TOY
 from tests.recipes.test_verl_cpu_trainer import (  # as the other launches
@@ -37,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
 REPO = Path(__file__).resolve().parents[2]
 KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
 # from the kill to the launcher's exit, at most: Ray's verdict (5 missed health checks 3 s
-# apart, cluster.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
+# apart, ray_job.RAY_HEALTH) + the watch's poll, grace and SIGTERM wait; plus slack for a
 # loaded 2-core machine
 BOUND_S = 5 * 3 + lost_node.POLL_S + lost_node.GRACE_S + lost_node.TERM_S + 30
 # what scripts/ray_start_{head,worker}.sh run after their bootstrap call (run directly here:
@@ -121,12 +120,12 @@ def box():
 def ray_status_counts(address: str, timeout: float = 120.0, **devices: int) -> None:
     """Until `ray status` (what check_ray reads) counts these devices: its totals follow a
     node's registration by a few seconds, after Ray's node table already has it."""
-    env = {**os.environ, "RAY_AUTH_MODE": cluster.ray_auth_mode()}
-    cmd = [cluster.ray_executable(), "status", "--address", address]
+    env = {**os.environ, "RAY_AUTH_MODE": ray_job.ray_auth_mode()}
+    cmd = [ray_job.ray_executable(), "status", "--address", address]
     deadline = time.monotonic() + timeout
     while True:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env).stdout
-        have = cluster.ray_devices(out)
+        have = ray_job.ray_devices(out)
         if all(have[kind] == n for kind, n in devices.items()):
             return
         assert time.monotonic() < deadline, f"ray status: {have}, not {devices}: {out[-1500:]}"
@@ -140,7 +139,7 @@ def state(box):
     from ray._raylet import Config
 
     before = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = cluster.ray_auth_mode()
+    os.environ["RAY_AUTH_MODE"] = ray_job.ray_auth_mode()
     Config.initialize("")  # as Ray does when it turns token mode on in a running process
     tables = lost_node.gcs_state(box.address)
     try:

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from backend.shared.cli_contract import run_cli
-from recipes.dapo.cluster import ray_job as cluster
-from recipes.dapo.cluster import ray_start
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.cluster import ray_job, ray_start
 from recipes.dapo.console.screen import open_console
 from recipes.dapo.console.tracebacks import RAY_START_FAILURES, start_failure_in
+from recipes.dapo.errors import LaunchError
 
 pytestmark = pytest.mark.no_mcore
 
@@ -159,14 +158,14 @@ def test_the_launcher_says_it_in_one_line_and_exits_2(tmp_path, monkeypatch, cap
     trainer replaced by the failing one (in the run's environment: its id and temp dir)."""
     from recipes.launcher import launch
 
-    real = cluster.run_command
+    real = ray_job.run_command
     seen = []
 
     def failing(cmd, env, console=None, watch=None):
         seen.append((env["MCORE_DAPO_RUN_ID"], env["TMPDIR"]))
         return real(trainer(tmp_path, 9), env, console, watch)
 
-    monkeypatch.setattr(cluster, "run_command", failing)
+    monkeypatch.setattr(ray_job, "run_command", failing)
     monkeypatch.setattr(launch, "prepare_local", lambda *a: None)  # no model, no data: not read
     monkeypatch.setattr(ray_start, "PAUSE_S", 0.0)
     argv = [
@@ -221,7 +220,7 @@ def test_ctrl_c_is_one_line_and_130_never_a_retry(tmp_path, console):
     shown = console.out.getvalue()
     assert "Traceback" not in shown and "KeyboardInterrupt" not in shown and "retrying" not in shown
     assert "KeyboardInterrupt" in console.log_path.read_text()
-    assert cluster.interrupted_line(code, tmp_path / "none") == (
+    assert ray_job.interrupted_line(code, tmp_path / "none") == (
         "stopped (SIGINT): no checkpoint was complete: a relaunch starts afresh"
     )
-    assert cluster.interrupted_line(1, tmp_path) is None
+    assert ray_job.interrupted_line(1, tmp_path) is None

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.safe_pickle import TORCH_SAVE_ALLOWED, UnsafeCheckpointError
-from recipes.dapo.checkpoints import files as ckpt_layout
-from recipes.dapo.checkpoints import resume
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.checkpoints import files, resume
+from recipes.dapo.cluster import ray_job
 from recipes.dapo.console import tracebacks
 from recipes.dapo.console.screen import open_console
 
@@ -197,7 +196,7 @@ def _step_with(tmp_path: Path, marker: Path) -> Path:
     run = tmp_path / "run"
     step = run / "checkpoints" / "global_step_2"
     step.mkdir(parents=True)
-    (step.parent / ckpt_layout.TRACKER).write_text("2")
+    (step.parent / files.TRACKER).write_text("2")
     crafted_data_state(step / resume.DATA_STATE, marker)
     return run
 
@@ -241,7 +240,7 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
 
     assert agree() is None  # no tracker
     ckpt.mkdir()
-    (ckpt / ckpt_layout.TRACKER).write_text("4")
+    (ckpt / files.TRACKER).write_text("4")
     assert agree() is None  # the step it names is gone
     (ckpt / "global_step_4").mkdir()
     assert agree() == ckpt / "global_step_4"
@@ -249,7 +248,7 @@ def test_the_resume_folder_is_the_one_verl_picks(tmp_path):
     relative = groups(**{"trainer.resume_mode": "resume_path",
                          "trainer.resume_from_path": "ckpt/global_step_4"})  # fmt: skip
     assert resume.resume_dir(relative, tmp_path) == ckpt / "global_step_4"
-    (ckpt / ckpt_layout.TRACKER).write_text("four")
+    (ckpt / files.TRACKER).write_text("four")
     with pytest.raises(CheckpointError, match="holds 'four', not a step number"):
         resume.resume_dir(groups(), tmp_path)
 
@@ -286,7 +285,7 @@ def test_a_refusal_in_the_trainer_is_one_line_and_its_traceback_goes_to_the_log(
     """The whole stream (--verbose) too holds the refusal's traceback back."""
     console = _console(tmp_path, verbose=verbose)
     with pytest.raises(CheckpointError) as err:
-        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
+        ray_job.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
     log = tmp_path / "logs" / "launch_000.log"
     assert console.log_path == log and str(err.value) == (
         f"/ckpt/__0_0.distcp: bytes 5-9 differ from manifest.json: restore it "
@@ -318,7 +317,7 @@ def test_other_failures_keep_their_traceback_and_status(verbose, tmp_path, capfd
     shallow = "raise RuntimeError('not a checkpoint')"
     for i, code in enumerate((child, shallow, DEEP_CRASH)):
         console = _console(tmp_path / str(i), verbose=verbose)
-        assert cluster.run_command([sys.executable, "-c", code], {}, console) == 1
+        assert ray_job.run_command([sys.executable, "-c", code], {}, console) == 1
         console.close()
         assert console.refusal is None
     out, err = capfd.readouterr()
@@ -334,7 +333,7 @@ def test_other_failures_keep_their_traceback_and_status(verbose, tmp_path, capfd
 def test_debug_shows_the_refusals_traceback_on_the_console(tmp_path, capfd):
     console = _console(tmp_path, debug=True)
     with pytest.raises(CheckpointError):
-        cluster.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
+        ray_job.run_command([sys.executable, "-c", RAY_TRACEBACK], {}, console)
     out = capfd.readouterr().out
     assert "Traceback (most recent call last)" in out
     assert "converters.manifest.ManifestError: /ckpt/__0_0.distcp" in out
@@ -358,7 +357,7 @@ def test_a_traceback_the_child_survives_is_shown_while_it_runs(tmp_path, monkeyp
     only when its traceback has reached the console."""
     seen = tmp_path / "seen"
     monkeypatch.setattr(tracebacks, "HOLD_S", 0.0)
-    monkeypatch.setattr(cluster, "_wait", lambda child: _poll(child, 0.2))
+    monkeypatch.setattr(ray_job, "_wait", lambda child: _poll(child, 0.2))
     console = _console(tmp_path)
     console.out = _Screen(seen)
     child = (
@@ -370,7 +369,7 @@ def test_a_traceback_the_child_survives_is_shown_while_it_runs(tmp_path, monkeyp
         "    time.sleep(0.05)\n"
         "sys.exit(5)\n"
     )
-    assert cluster.run_command([sys.executable, "-c", child], {}, console) == 0
+    assert ray_job.run_command([sys.executable, "-c", child], {}, console) == 0
     assert console.out.getvalue().count("Traceback (most recent call last):") == 1
 
 
@@ -383,6 +382,6 @@ def _poll(child, poll_s):
 
 def test_refusal_names_cover_every_checkpoint_error():
     names = tracebacks.refusal_classes()
-    for name in ("converters.hf_io.CheckpointError", "converters.manifest.ManifestError",
+    for name in ("backend.shared.errors.CheckpointError", "converters.manifest.ManifestError",
                  "converters.pickles.safe_pickle.UnsafeCheckpointError"):  # fmt: skip
         assert name in names

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.errors import LaunchError
 from recipes.launcher import launch, stack
 
 REPO_ROOT = stack.STACKS.parents[1]
@@ -38,9 +39,9 @@ def _good(target: str) -> dict[str, str]:
 def nothing_starts(monkeypatch, tmp_path):
     """A resolved plan (files and plan checked), then whatever the launcher starts."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
-    monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append("ray"))
-    monkeypatch.setattr(cluster, "raise_open_files", lambda: None)
+    monkeypatch.setattr(ray_job, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
+    monkeypatch.setattr(ray_job, "check_ray", lambda *a: started.append("ray"))
+    monkeypatch.setattr(ray_job, "raise_open_files", lambda: None)
     run = SimpleNamespace(
         plan=SimpleNamespace(world=32, nodes=4, devices_per_node=8), env={}, ckpt_dir=str(tmp_path),
         device="npu", rollout_nodes=0, ray_address=None,
@@ -249,7 +250,7 @@ def test_the_right_set_starts_and_a_dry_run_needs_none(monkeypatch, nothing_star
     _fake(monkeypatch, {}, cann=False)
     assert launch.main(["--device", "npu", "--dry-run"]) == 0  # prints the plan anywhere
     stack.check_installed("cpu")  # the local run
-    with pytest.raises(cluster.LaunchError, match="CANN"):
+    with pytest.raises(LaunchError, match="CANN"):
         stack.check_installed("npu")
 
 
@@ -273,14 +274,14 @@ def test_each_lock_keeps_its_stack_pins(target):
 
 def test_job_env_appends_to_pythonpath_and_imports_no_engine(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/usr/local/Ascend/ascend-toolkit/latest/python/site-packages")
-    env = cluster.job_env("npu", "eth0")
+    env = ray_job.job_env("npu", "eth0")
     assert env["PYTHONPATH"].split(os.pathsep) == [
         "/usr/local/Ascend/ascend-toolkit/latest/python/site-packages",
         str(REPO_ROOT),
     ]
     assert "VERL_USE_EXTERNAL_MODULES" not in env
     monkeypatch.delenv("PYTHONPATH")
-    assert cluster.job_env("cuda", None)["PYTHONPATH"] == str(REPO_ROOT)
+    assert ray_job.job_env("cuda", None)["PYTHONPATH"] == str(REPO_ROOT)
 
 
 def test_the_release_the_tests_read_is_the_one_imported():

@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parallel.models import QWEN3_30B_A3B
-from recipes.dapo.cluster import lost_node
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import lost_node, ray_job
 from recipes.dapo.job import overrides
 from recipes.launcher import launch, resolution, stack
 
@@ -54,8 +53,8 @@ def files(tmp_path):
 def nothing_starts(monkeypatch):
     """Fail the test if the launcher starts a process or asks Ray."""
     started = []
-    monkeypatch.setattr(cluster, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
-    monkeypatch.setattr(cluster, "check_ray", lambda *a: started.append(["ray", "status"]))
+    monkeypatch.setattr(ray_job, "run_command", lambda cmd, env, *a: started.append(cmd) or 0)
+    monkeypatch.setattr(ray_job, "check_ray", lambda *a: started.append(["ray", "status"]))
     return started
 
 
@@ -103,10 +102,10 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
-        **(cluster.A2_ENV if a2 else {}),
+        **(ray_job.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
-        "TQ_NUM_THREADS": cluster.transferqueue_threads(),  # at most this machine's cores
+        "TQ_NUM_THREADS": ray_job.transferqueue_threads(),  # at most this machine's cores
         "TENSORBOARD_DIR": f"{files['--ckpt-dir']}/tensorboard",
     }
     aux_loss = "{" + ",".join(f"{k}:{fmt(v)}" for k, v in overrides.AUX_LOSS.items()) + "}"
@@ -377,7 +376,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     )
     ray, python = bin_dir / "ray", bin_dir / "python"
     python.write_text(record + "sys.exit(3)\n")
-    monkeypatch.setattr(sys, "executable", str(python))  # cluster.ray_executable: its sibling
+    monkeypatch.setattr(sys, "executable", str(python))  # ray_job.ray_executable: its sibling
     monkeypatch.setattr(stack, "problem", lambda target: None)  # the cuda set is installed
     # the node watch reads the cluster's node table from Ray's GCS, which the stand-in lacks
     monkeypatch.setattr(lost_node.NodeWatch, "follow", lambda self, child: None)
@@ -411,7 +410,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     assert "actor_rollout_ref.actor.strategy=mcore_ep" in args
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "VERL_USE_EXTERNAL_MODULES" not in env
-    assert env["TQ_NUM_THREADS"] == cluster.transferqueue_threads()
+    assert env["TQ_NUM_THREADS"] == ray_job.transferqueue_threads()
     # the child's output went through the console: its log in the run, its status on screen
     out = capsys.readouterr().out
     log = files["--ckpt-dir"] / "logs" / "launch_000.log"
@@ -425,7 +424,7 @@ def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_pa
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
     started = []
     monkeypatch.setattr(
-        cluster, "run_command", lambda cmd, env, *a: started.append((cmd, env)) or 0
+        ray_job, "run_command", lambda cmd, env, *a: started.append((cmd, env)) or 0
     )
     monkeypatch.setattr(local_run, "finish", lambda *args, **kwargs: 0)
     assert (
@@ -469,7 +468,7 @@ def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, 
         f"+{init}include_dashboard": "false",
     }  # fmt: skip
     assert cluster_run.run.env.keys() == embedded.run.env.keys()
-    for key, value in {**cluster.job_env("cpu", None), "VERL_PLATFORM": "cpu"}.items():
+    for key, value in {**ray_job.job_env("cpu", None), "VERL_PLATFORM": "cpu"}.items():
         assert cluster_run.run.env[key] == value
     assert "Ray: the running cluster at 10.0.0.1:6380 (--ray-address)" in cluster_run.describe()
 
@@ -495,7 +494,7 @@ def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
     from recipes.local import run as local_run
 
     monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
-    monkeypatch.setattr(cluster, "run_command", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(ray_job, "run_command", lambda *a, **k: pytest.fail("started"))
     hf_dir, _ = local_run.prepare(tmp_path / "run")
     capsys.readouterr()
     user = tmp_path / "user_model"

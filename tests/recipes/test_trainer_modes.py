@@ -5,9 +5,9 @@ import io
 
 import pytest
 
-from recipes.dapo.cluster.ray_job import LaunchError
 from recipes.dapo.console.screen import Console
 from recipes.dapo.console.step_line import LAG_LEGEND, lag_parts, step_line
+from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides, trainer_modes
 from recipes.launcher import launch, resolution
 

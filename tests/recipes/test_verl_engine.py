@@ -16,11 +16,11 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import response_from_nested
 
 from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 from converters.hf_io import read_state_dict
 from converters.sharding import gather_full
 from converters.table import mcore_to_hf
-from recipes.dapo.checkpoints import files as ckpt_layout
+from recipes.dapo.checkpoints import files
 from recipes.dapo.engine import batches, weights
 from recipes.dapo.job.overrides import AUX_LOSS
 
@@ -403,7 +403,7 @@ def test_checkpoint_round_trip_and_export_with_our_converter(
     with pytest.raises(weights.CheckpointError, match="experts setting") as err:
         other.load_checkpoint(str(root))
     assert "\n" not in str(err.value)
-    weights.load_model(other.module, root / ckpt_layout.MODEL_DIR)
+    weights.load_model(other.module, root / files.MODEL_DIR)
     for name, tensor in other.get_per_tensor_param()[0]:
         assert torch.equal(tensor, trained[name]), name
 
@@ -430,7 +430,7 @@ def weights_norm_of(tensors) -> float:
 def test_checkpoint_from_another_plan_is_refused_with_one_line(make_engine, tmp_path):
     import json
 
-    from converters.hf_io import CheckpointError
+    from backend.shared.errors import CheckpointError
 
     engine = make_engine()
     root = tmp_path / "actor"
@@ -464,7 +464,7 @@ def test_micro_batches_respect_the_padded_token_budget():
 def test_resume_refuses_a_damaged_or_crafted_checkpoint_in_one_line(damage, make_engine, tmp_path):
     """Resume reads nothing megatron would unpickle before the manifest and allow-list pass,
     nor lets verl unpickle its data.pt (verl loads it once load_checkpoint has returned)."""
-    from converters.hf_io import CheckpointError
+    from backend.shared.errors import CheckpointError
     from tests.converters.test_safe_checkpoints import _call
 
     root = tmp_path / "global_step_1" / "actor"
@@ -506,7 +506,7 @@ def test_the_resume_checkpoint_named_to_the_engine_is_checked_when_it_starts(
     is refused when the engine starts, before verl starts its rollout; a sound one is then
     loaded without reading every byte again, unless a file changed after the check. Catches
     an early check that never runs, and a load that trusts a check its files outgrew."""
-    from converters.hf_io import CheckpointError
+    from backend.shared.errors import CheckpointError
     from recipes.dapo.engine import weights
 
     root = tmp_path / "global_step_1" / "actor"

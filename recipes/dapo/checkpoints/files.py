@@ -23,7 +23,7 @@ megatron-core and none of the engine's modules.
 import re
 from pathlib import Path
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint: the newest saved step
 ACTOR = "actor"

@@ -23,7 +23,7 @@ containers and one uint8 tensor, the sampler's torch.Generator state: exactly
 import re
 from pathlib import Path
 
-from converters.hf_io import CheckpointError
+from backend.shared.errors import CheckpointError
 from converters.pickles.fsdp_state import check_fsdp_checkpoint
 from converters.pickles.queue_state import check_queue_state
 from converters.pickles.safe_pickle import check_dist_checkpoint, check_torch_save

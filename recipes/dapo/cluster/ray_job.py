@@ -10,6 +10,8 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from recipes.dapo.errors import LaunchError
+
 REPO = Path(__file__).resolve().parents[3]
 # Ascend A2: generous HCCL timeouts (rollouts keep ranks away from collectives for minutes;
 # a lost node is not left to them: recipes/dapo/cluster/lost_node.py), the task-queue optimisation,
@@ -39,8 +41,19 @@ RAY_HEALTH = {
 }
 
 
-class LaunchError(RuntimeError):
-    """The cluster is not ready for the run; the message says what to do."""
+PLATFORM_MODULES = "recipes.local.cpu.platform"  # verl imports it in every process
+# the CPU platform's part of the job environment (job_env): the driver's
+# and every Ray worker's, on the embedded run and on a cluster alike
+CPU_ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULES,
+    "OMP_NUM_THREADS": "1",  # 2 cores shared by trainer ranks, rollout server, reward
+    # vLLM's CPU workers pin their threads to cores of their own NUMA node each by default:
+    # a TP 2 engine on one node is refused, and pinning fights the trainer for the cores
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
 
 
 def job_env(device: str, ifname: str | None) -> dict[str, str]:
@@ -63,8 +76,6 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
     if device == "npu":
         env.update(A2_ENV)
     if device == "cpu":
-        from recipes.local.cpu_overrides import CPU_ENV
-
         env.update(CPU_ENV)
     if ifname:
         socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
@@ -202,7 +213,7 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
         reader.join(timeout=READER_GRACE_S)
         console.child_done(code, interrupted=bool(received))
         if console.refusal:
-            from converters.hf_io import CheckpointError
+            from backend.shared.errors import CheckpointError
 
             raise CheckpointError(
                 f"{console.refusal} (the trainer's traceback: {console.log_path})"

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from backend.shared.cli_contract import OneLineParser, parse_or_exit_code, run_cli
-from recipes.dapo.cluster import ray_job as cluster
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.errors import LaunchError
 
 START_TIMEOUT_S = 240
 # Ray gives a new node a fixed 30 s to register with the GCS (ray/_private/node.py), which a
@@ -77,8 +78,8 @@ def free_port() -> int:
 
 def ray_command(args) -> list[str]:
     if args.device is None:
-        raise cluster.LaunchError("pass --device npu, cuda or cpu (or --stop)")
-    cmd = [cluster.ray_executable(), "start", "--block", "--disable-usage-stats"]
+        raise LaunchError("pass --device npu, cuda or cpu (or --stop)")
+    cmd = [ray_job.ray_executable(), "start", "--block", "--disable-usage-stats"]
     one_box = args.device == "cpu"
     if args.role == "head":
         cmd += ["--head", "--port", str(args.port)]
@@ -89,7 +90,7 @@ def ray_command(args) -> list[str]:
             cmd += ["--dashboard-host", "0.0.0.0"]
     else:
         if not args.address:
-            raise cluster.LaunchError(
+            raise LaunchError(
                 "a worker needs --address HEAD_IP:PORT (printed by ray_start_head.sh)"
             )
         cmd += ["--address", args.address]
@@ -109,9 +110,9 @@ def declared(args) -> int:
 
 
 def node_env(args) -> dict[str, str]:
-    """The job's environment, Ray's node-death detection pinned (cluster.RAY_HEALTH), and
+    """The job's environment, Ray's node-death detection pinned (ray_job.RAY_HEALTH), and
     the agents' start-up wait (RAY_START)."""
-    return {**cluster.job_env(args.device, args.ifname), **cluster.RAY_HEALTH, **RAY_START}
+    return {**ray_job.job_env(args.device, args.ifname), **ray_job.RAY_HEALTH, **RAY_START}
 
 
 def read_state(path: Path) -> dict | None:
@@ -143,14 +144,14 @@ def start(args) -> int:
         return 0
     running = read_state(state_file(args))
     if running:
-        raise cluster.LaunchError(
+        raise LaunchError(
             f"a Ray {args.role} started here with temp dir {root} is running (pid "
             f"{running['pid']}): stop it with --stop, or give this node another --temp-dir"
         )
     if args.device == "npu":
-        cluster.raise_open_files()
+        ray_job.raise_open_files()
     if args.role == "head":
-        cluster.ensure_auth_token(env)
+        ray_job.ensure_auth_token(env)
     root.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, START_TRIES + 1):
         state = launch_node(args, cmd, env, root)
@@ -158,7 +159,7 @@ def start(args) -> int:
             break
         print(f"Ray's node did not register in its 30 s (attempt {attempt}): starting it again")
     if not state["address"]:
-        raise cluster.LaunchError(state["problem"])
+        raise LaunchError(state["problem"])
     print(next_steps(args, state, root))
     return 0
 
@@ -191,7 +192,7 @@ def launch_node(args, cmd: list[str], env: dict[str, str], root: Path) -> dict:
         else f"Ray did not come up in {START_TIMEOUT_S} s: see {log}"
     )
     if REGISTER_TIMEOUT not in text:  # only Ray's own 30 s limit is worth another try
-        raise cluster.LaunchError(state["problem"])
+        raise LaunchError(state["problem"])
     return state
 
 
@@ -205,12 +206,12 @@ def _created(pid: int) -> float | None:
 
 
 def next_steps(args, state: dict, root: Path) -> str:
-    devices, kind = declared(args), cluster.RAY_KIND[args.device]
+    devices, kind = declared(args), ray_job.RAY_KIND[args.device]
     script = f"bash scripts/ray_start_{args.role}.sh"
     lines = [
         f"Ray {args.role} up: cluster {state['address']}, {devices} {kind} declared, temp dir "
         f"{root}, pid {state['pid']} (log {state['log']})",
-        f"check: {_auth_prefix()}{cluster.ray_executable()} status --address {state['address']}",
+        f"check: {_auth_prefix()}{ray_job.ray_executable()} status --address {state['address']}",
     ]
     if args.role == "head":
         box = " --temp-dir <another dir>" if args.device == "cpu" else ""
@@ -227,8 +228,8 @@ def next_steps(args, state: dict, root: Path) -> str:
 
 
 def _auth_prefix() -> str:
-    """What a shell needs to talk to this node's Ray (cluster.ray_auth_mode)."""
-    mode = cluster.ray_auth_mode()
+    """What a shell needs to talk to this node's Ray (ray_job.ray_auth_mode)."""
+    mode = ray_job.ray_auth_mode()
     return "" if os.environ.get("RAY_AUTH_MODE") == mode else f"RAY_AUTH_MODE={mode} "
 
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(
         lambda: stop(args) if args.stop else start(args),
         debug=False,
-        user_errors=(cluster.LaunchError,),
+        user_errors=(LaunchError,),
         interrupted="the node may be half started: run the script again with --stop",
     )
 

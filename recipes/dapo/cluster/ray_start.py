@@ -14,8 +14,8 @@ failed any other way (a training crash) is never retried: its status is the laun
 
 import time
 
-from recipes.dapo.cluster import ray_job as cluster
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.cluster import ray_job
+from recipes.dapo.errors import LaunchError
 
 ATTEMPTS = 3
 PAUSE_S = 10.0  # before the next attempt: a busy machine gets a moment
@@ -27,11 +27,11 @@ class RayStartError(LaunchError):
 
 def run_retrying(cmd: list[str], env: dict[str, str], console, reap=None,
                  attempts: int = ATTEMPTS) -> int:  # fmt: skip
-    """cluster.run_command through `console`, again while Ray's start is what failed (reap():
+    """ray_job.run_command through `console`, again while Ray's start is what failed (reap():
     end what the failed attempt left, before the next); the status of the last attempt, or
     RayStartError after `attempts` failed starts."""
     for attempt in range(1, attempts + 1):
-        code = cluster.run_command(cmd, env, console)
+        code = ray_job.run_command(cmd, env, console)
         cause = console.start_failure if code else None
         if cause is None:
             return code

@@ -40,7 +40,7 @@ def refusal_classes() -> tuple[str, ...]:
     """`module.Class` of CheckpointError and every subclass the engine's checks raise."""
     import converters.manifest  # noqa: F401  (ManifestError)
     import converters.pickles.safe_pickle  # noqa: F401  (UnsafeCheckpointError)
-    from converters.hf_io import CheckpointError
+    from backend.shared.errors import CheckpointError
 
     found, todo = [], [CheckpointError]
     while todo:

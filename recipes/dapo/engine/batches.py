@@ -33,7 +33,7 @@ from backend.model.packing import (  # noqa: F401  (the planners: pure, in backe
     plan_by_tokens,
     plan_lengths,
 )
-from backend.shared.names import round_up
+from backend.shared.integers import round_up
 
 
 @dataclass

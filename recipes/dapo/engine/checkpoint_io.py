@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from backend.shared.errors import CheckpointError
 from converters.convert import HF_CONFIG  # the config.json copy the export reads
-from converters.hf_io import CheckpointError
 from recipes.dapo.checkpoints.async_save import CheckpointWriter, PendingSave
 from recipes.dapo.checkpoints.files import (
     MODEL_DIR,

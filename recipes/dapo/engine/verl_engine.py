@@ -50,7 +50,7 @@ from backend.instruments.router_instruments import RouterInstruments
 from backend.instruments.timing import StepTimer
 from backend.training.optim import DP_REDUCTION, OptimSettings, make_optimizer
 from backend.training.schedule import is_last_stage
-from recipes.dapo.checkpoints import async_save as saving
+from recipes.dapo.checkpoints import async_save
 from recipes.dapo.engine import weights
 from recipes.dapo.engine.checkpoint_io import CheckpointIO
 from recipes.dapo.engine.config import BACKEND
@@ -119,7 +119,7 @@ class McoreEpEngine(BaseEngine):
         self.spec = load_spec(model_config.local_path)
         check_against_model(self.plan, self.spec)  # before any group exists: one-line errors
         self.groups = init_parallel(self.device, self.plan, seed=engine_config.seed)
-        self.writer = saving.CheckpointWriter(self.groups.dp, self._torch_device)
+        self.writer = async_save.CheckpointWriter(self.groups.dp, self._torch_device)
         self.mode = None
         self.module = self.model = self.optim = self.routing = self.experts = None
         self._sync_headers: dict = {}  # weight sync's per-stage tensor list (pp > 1)

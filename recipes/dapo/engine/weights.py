@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from backend.qwen3_moe import Qwen3MoeSpec
+from backend.shared.errors import CheckpointError
 from backend.training.distributed import ProcessGroups
-from converters.hf_io import CheckpointError
 from converters.hf_source import HFSource
 from converters.sharding import iter_full
 from converters.table import expand_table, split_row

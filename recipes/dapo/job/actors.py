@@ -56,7 +56,7 @@ def plan_label(run) -> str:
     return f"tp{run.plan.tp}-ep{run.plan.ep}" + (f"-pp{run.plan.pp}" if run.plan.pp > 1 else "")
 
 
-def check(engine: str, dims: dict, trainer_mode: str) -> None:
+def check_engine_plan(engine: str, dims: dict, trainer_mode: str) -> None:
     """--engine fsdp against the plan and the trainer mode: PlanError with one line."""
     if engine == BACKEND:
         return

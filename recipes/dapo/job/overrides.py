@@ -238,14 +238,13 @@ GROUPS = {
 }
 
 
-def build(run: RunSpec) -> dict[str, dict]:
-    """{concern: {override key: value}}; on cpu the embedded run's few differences on top."""
+def build(run: RunSpec, on_top: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{concern: {override key: value}}; `on_top` replaces values by concern before the
+    trainer mode reads the batch sizes (the CPU run's few differences:
+    recipes.local.cpu_overrides, which the launcher passes on cpu)."""
     groups = {name: make(run) for name, make in GROUPS.items()}
-    if run.device == "cpu":
-        from recipes.local.cpu_overrides import cpu_overrides
-
-        for group, values in cpu_overrides(run).items():
-            groups[group].update(values)
+    for group, values in (on_top or {}).items():
+        groups[group].update(values)
     return with_trainer_mode(run, groups)
 
 

@@ -23,7 +23,7 @@ in decoupled mode, so TIS would be inert there and is not set).
 
 from dataclasses import dataclass
 
-from recipes.dapo.cluster.ray_job import LaunchError
+from recipes.dapo.errors import LaunchError
 
 MODES = ("sync", "colocate_async", "separate_async")
 CHANNELS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -101,7 +101,7 @@ def sync_step(train_batch: int, mini_batch: int) -> int:
     return train_batch // mini_batch
 
 
-def check(mode: str, values: dict) -> None:
+def check_values(mode: str, values: dict) -> None:
     """After pass-through overrides: combinations verl or our engine refuse later, in one line.
     values: config path -> value (recipes.dapo.job.overrides.value_of)."""
     replay = str(values.get("router_replay") or "disabled")

@@ -18,6 +18,7 @@ DEFAULT = "mini"
 # an SFT warm-up (recipes.local.warmup); the tiny one and a user's directory the doubles
 TASK_OF = {"tiny": "doubles", "mini": "sums"}
 WARMED = ("mini",)  # RL starts from <out>/sft_hf, the warm-up's export
+SFT_DIR = "sft_hf"  # under the run directory: the warm-up's export
 SHAPE_NAMES = {"tiny": "TINY_QWEN3_MOE", "mini": "MINI_QWEN3_MOE"}
 # the ids of the task's tokenizer (recipes.local.task.doubles: <|endoftext|> pads, <|im_end|> ends)
 TOKEN_IDS = dict(eos_token_id=2, pad_token_id=0)
@@ -35,10 +36,13 @@ def built_dir(out: Path, name: str) -> Path:
     return out / f"{name}_hf"
 
 
+def warmed_dir(out: Path) -> Path:
+    """The warm-up's export (recipes.local.warmup), where RL starts for a WARMED model."""
+    return out / SFT_DIR
+
+
 def rl_dir(out: Path, name: str) -> Path:
     """Where RL reads the built model: the warm-up's export for a WARMED one."""
-    from recipes.local.warmup import warmed_dir
-
     return warmed_dir(out) if name in WARMED else built_dir(out, name)
 
 
