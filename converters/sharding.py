@@ -198,31 +198,9 @@ def iter_full(
             yield global_expert_name(key, ExpertSlice(spec.num_experts, ep, ep_rank)), part
 
 
-def gather_full(
-    model: torch.nn.Module, groups: ProcessGroups, spec, grads: bool = False
-) -> dict[str, torch.Tensor]:
-    """World-size-1 mcore names -> full tensors (params, or their .grad), on every rank.
-
-    Collective over TP/ETP, EP and PP: every rank must call it.
-    """
-    full = {name: tensor.cpu() for name, tensor in iter_full(model, groups, spec, grads)}
-    if groups.size("pp") > 1:  # each stage holds its own layers
-        full = _merge_over(full, groups.pp, groups.size("pp"))
-    return full
-
-
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
 
 def global_expert_name(name: str, experts: ExpertSlice) -> str:
     """`...local_experts.{j}...` with the rank-local expert index made global."""
     return _EXPERT.sub(lambda m: f"{m[1]}{experts.global_index(int(m[2]))}{m[3]}", name)
-
-
-def _merge_over(local: dict[str, torch.Tensor], group, size: int) -> dict[str, torch.Tensor]:
-    parts: list[dict[str, torch.Tensor] | None] = [None] * size
-    dist.all_gather_object(parts, local, group=group)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged

@@ -104,25 +104,3 @@ def z_share(logits_TE, num_tokens, valid_T=None) -> torch.Tensor:
     """(1 / N) * sum over this call's valid tokens of logsumexp(logits_t)^2."""
     lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
     return (_weights_T(valid_T, lse_T.shape[0], lse_T.device) * lse_T.square()).sum() / num_tokens
-
-
-# ---- whole-level losses (one call holds the whole level) -----------------------------
-
-
-def switch_loss(logits_TE, routing_map_TE, top_k: int, valid_T=None) -> torch.Tensor:
-    """L = E * sum_i f_i * P_i over the call's valid tokens (micro-batch level)."""
-    n = valid_count(valid_T, logits_TE.shape[0])
-    f_E = expert_fractions_E(routed_counts_E(routing_map_TE, valid_T), n, top_k)
-    return balance_share(logits_TE, f_E, n, valid_T)
-
-
-def sequence_loss(logits_TE, routing_map_TE, seq_T, num_seqs: int, top_k: int, valid_T=None):
-    """Mean over sequences (with a valid token) of the per-sequence switch loss."""
-    counts_BE, tokens_B = sequence_stats(routing_map_TE, seq_T, num_seqs, valid_T)
-    total = int((tokens_B > 0).sum())
-    return sequence_share(logits_TE, seq_T, counts_BE, tokens_B, total, top_k, valid_T)
-
-
-def z_loss(logits_TE, valid_T=None) -> torch.Tensor:
-    """Z = mean over valid tokens of logsumexp(logits_t)^2."""
-    return z_share(logits_TE, valid_count(valid_T, logits_TE.shape[0]), valid_T)

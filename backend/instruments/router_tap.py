@@ -72,10 +72,6 @@ class TapBase:
         self.listeners: list[Listener] = []
         self._handles: list = []
 
-    @property
-    def num_routers(self) -> int:
-        return len(self._handles)
-
     def add_listener(self, listener: Listener) -> None:
         self.listeners.append(listener)
 

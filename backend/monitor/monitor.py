@@ -147,10 +147,6 @@ class ExpertLoadMonitor:
             self._counts_PLE = self._counts_PLE.to(routing_TE.device)
         self._counts_PLE[self._phase, call.layer].add_(routing_TE.sum(0))
 
-    def local_counts(self) -> torch.Tensor:
-        """This rank's unreduced counts of the current step, [phases, layers, experts]."""
-        return self._counts_PLE.detach().cpu().clone()
-
     def step_end(
         self,
         step: int,

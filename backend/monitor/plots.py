@@ -4,7 +4,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
@@ -174,7 +173,3 @@ def figure_rgb_HWC(fig: Figure) -> np.ndarray:
     canvas = fig.canvas
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def as_numpy(values) -> np.ndarray:
-    return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values, dtype=float)

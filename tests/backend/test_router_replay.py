@@ -298,8 +298,8 @@ def test_r2_update_reuses_the_old_log_prob_routes(engine_of):
 
 def _router_grads(engine) -> dict[str, torch.Tensor]:
     from backend.qwen3_moe import load_qwen3_moe_spec
-    from converters.sharding import gather_full
     from converters.table import mcore_to_hf
+    from tests.support.oracles import gather_full
 
     spec = load_qwen3_moe_spec(engine.model_config.local_path)
     grads = mcore_to_hf(gather_full(engine.module, engine.groups, spec, grads=True), spec)

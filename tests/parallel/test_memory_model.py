@@ -125,7 +125,7 @@ def test_devices_differ_only_in_capacity():
 )
 @pytest.mark.parametrize("tokens", [64, 256])
 def test_activation_estimate_matches_saved_tensors_of_tiny_model(world1, tokens, ours):
-    from parallel.measure import check_tiny_activations
+    from tests.support.activation_measure import check_tiny_activations
 
     check = check_tiny_activations(world1, tokens, ours=ours)
     kept = check.measured_bytes + older_local_modules_bytes(tokens, ours)

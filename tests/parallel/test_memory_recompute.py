@@ -163,8 +163,8 @@ def test_selective_recompute_keeps_what_the_formula_says_measured(world1, tokens
     a layer keeping more than the formula knows (backend/model/experts.py handing fc2 a copy of the
     SwiGLU output, `act_TF.clone()`: the checkpoint frees the original, fc2 keeps the copy;
     numerics and replays unchanged)."""
-    from parallel.measure import check_tiny_activations
     from tests.parallel.test_memory_model import older_local_modules_bytes
+    from tests.support.activation_measure import check_tiny_activations
 
     none = check_tiny_activations(world1, tokens, ours=ours)
     selective = check_tiny_activations(world1, tokens, ours=ours, recompute="selective")

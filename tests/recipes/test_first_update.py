@@ -117,9 +117,9 @@ def replay(tmp_path_factory, world1):
     from transformers import Qwen3MoeForCausalLM
 
     from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
-    from converters.sharding import gather_full
     from converters.table import mcore_to_hf
     from tests.recipes.test_verl_engine import build_engine
+    from tests.support.oracles import gather_full
 
     rec = recording()
     hf_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("first_update"), **rec["model"])

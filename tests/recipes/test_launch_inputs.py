@@ -14,6 +14,7 @@ import pytest
 from recipes.dapo.cluster import ray_job
 from recipes.dapo.job import overrides
 from recipes.launcher import launch, resolution
+from tests.support import oracles
 
 pytestmark = pytest.mark.no_mcore
 
@@ -69,7 +70,7 @@ def test_a_rerun_moves_the_last_run_aside_and_deletes_nothing(tmp_path, monkeypa
     written = json.loads((out / "tiny_hf" / "config.json").read_text())
     shapes = [  # what the plan's checks and the rollout's limits read (not the aux coefficient)
         {**asdict(load_qwen3_moe_spec(c)), "router_aux_loss_coef": None}
-        for c in (local_run.tiny_hf_config(), written)
+        for c in (oracles.tiny_hf_config(), written)
     ]
     assert shapes[0] == shapes[1]
     assert problems(out / "tiny_hf") == [] and written["vocab_size"] == VOCAB_SIZE

@@ -18,11 +18,11 @@ from verl.workers.utils.padding import response_from_nested
 from backend.qwen3_moe import load_qwen3_moe_spec, unfuse_experts
 from backend.shared.integers import round_up
 from converters.hf_io import read_state_dict
-from converters.sharding import gather_full
 from converters.table import mcore_to_hf
 from recipes.dapo.checkpoints import files
 from recipes.dapo.engine import batches, weights
 from recipes.dapo.job.overrides import AUX_LOSS
+from tests.support.oracles import gather_full
 
 LENGTHS = [(5, 7), (3, 4), (6, 9), (4, 2), (2, 6)]  # (prompt, response) tokens per sequence
 

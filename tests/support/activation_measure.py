@@ -65,10 +65,6 @@ class ActivationCheck:
     measured_bytes: int
     estimated_bytes: float
 
-    @property
-    def relative_error(self) -> float:
-        return (self.estimated_bytes - self.measured_bytes) / self.measured_bytes
-
 
 def check_tiny_activations(
     groups, tokens: int, seed: int = 0, ours: bool = False, recompute: str = "none"

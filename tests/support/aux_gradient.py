@@ -25,7 +25,7 @@ def aux_settings(kind: str, **extra) -> dict:
 def reduced_router_grads(engine, data, loss_fn) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metrics, full router-weight gradients) of one forward_backward_batch, after DDP's
     reduction over DP, on every rank (collective: every rank calls it)."""
-    from converters.sharding import gather_full
+    from tests.support.oracles import gather_full
 
     with engine.train_mode(zero_grad_on_exit=False):
         engine.optimizer_zero_grad()

@@ -62,7 +62,7 @@ def run_plan(
         _untagged_norms()
     from backend.model.build import BuildOptions
     from backend.model.forward import token_log_probs
-    from converters.sharding import gather_full
+    from tests.support.oracles import gather_full
     from tests.support.reference_actor import sync_grads
 
     modules = dict(experts="grouped", attention="sdpa") if fast else {}
@@ -115,7 +115,7 @@ def run_actor_step(rank: int, hf_dir: str, tp: int, ep: int, max_norm: float) ->
     from backend.platform.device import prepare_device
 
     prepare_device("cpu")
-    from converters.sharding import gather_full
+    from tests.support.oracles import gather_full
     from tests.support.reference_actor import McoreActor, OptimConfig
 
     model, spec, groups = loaded_model(hf_dir, tp=tp, ep=ep)

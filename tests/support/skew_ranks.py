@@ -41,8 +41,8 @@ def skewed_and_balanced(rank: int, assumed_skew: float) -> dict:
     from backend.monitor import ExpertLoadMonitor, SkewGuard
     from backend.qwen3_moe import load_qwen3_moe_spec
     from backend.training.distributed import init_parallel
-    from parallel.measure import saved_bytes_inside
     from recipes.local.task.hf_checkpoints import tiny_config
+    from tests.support.activation_measure import saved_bytes_inside
 
     groups = init_parallel(device, job_plan(ep=2))
     spec = load_qwen3_moe_spec(tiny_config())
