@@ -1,7 +1,7 @@
 """Check the DAPO datasets before a run: DAPO-Math-17k (train) and AIME-2024 (validation).
 
-    .venv/bin/python scripts/prepare_data.py --data-dir ~/data/dapo
-    .venv/bin/python scripts/prepare_data.py --train-file A.parquet --val-file B.parquet
+    .venv/bin/python -m scripts.prepare_data --data-dir ~/data/dapo
+    .venv/bin/python -m scripts.prepare_data --train-file A.parquet --val-file B.parquet
 
 Checks the columns verl's DAPO recipe reads and the number of distinct prompts, and prints
 one line per problem with the fix (for a missing file: the download command). Exit status:
@@ -9,12 +9,9 @@ one line per problem with the fix (for a missing file: the download command). Ex
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes.launcher.datasets import TRAIN, VAL, check_file, describe  # noqa: E402
+from recipes.launcher.datasets import TRAIN, VAL, check_file, describe
 
 
 def main(argv: list[str] | None = None) -> int:

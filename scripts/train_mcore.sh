@@ -17,4 +17,4 @@ else
     PY=.venv/bin/python
 fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
-exec "$PY" -m recipes.launcher.launch "$@"
+exec "$PY" -m recipes.launcher "$@"

@@ -6,9 +6,9 @@ x n responses sampled from the policy (transformers on the same weights), token-
 advantages (zero-mean per group). Each runs the old-log-prob pass (`infer_batch`) and one
 update (`train_batch`: forward, backward, clip, optimizer step) through verl's own ppo_loss.
 Returns, per engine, the log-probs, the loss and the grad norm of that update, and the largest
-differences: what `python scripts/bench/ab_engines.py` reports as the step-1 agreement.
+differences: what `python -m scripts.bench.ab_engines` reports as the step-1 agreement.
 
-    python scripts/bench/ab_parity.py HF_DIR     # a line "step-1 agreement: {JSON}" on stdout
+    python -m scripts.bench.ab_parity HF_DIR     # a line "step-1 agreement: {JSON}" on stdout
 """
 
 import json
@@ -17,10 +17,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 MARK = "step-1 agreement: "  # the JSON's line among verl's prints
 DAPO_LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)

@@ -12,24 +12,21 @@ load drift hits all alike. Prints the medians and their ratios to "off":
 and, for the settings that compute it, the load-balancing loss of the last step (the
 "observe" engine is the no-gradient baseline of the "on" ones).
 
-    python scripts/bench/aux_loss_cost.py                          # tiny model, 15 rounds
-    python scripts/bench/aux_loss_cost.py --hidden 256 --layers 4  # FLOPs weigh more
-    python scripts/bench/aux_loss_cost.py --settings off observe global_batch_olp \
+    python -m scripts.bench.aux_loss_cost                          # tiny model, 15 rounds
+    python -m scripts.bench.aux_loss_cost --hidden 256 --layers 4  # FLOPs weigh more
+    python -m scripts.bench.aux_loss_cost --settings off observe global_batch_olp \
         --lr 1e-3 --steps 60                                      # the balancing it buys
 """
 
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from backend.shared.names import AUX_LOSS_PREFIX  # noqa: E402
+from backend.shared.names import AUX_LOSS_PREFIX
 
 QWEN3 = {"type": "global_batch", "coeff": 0.001}
 SETTINGS = {
@@ -52,13 +49,13 @@ def sum_loss(model_output, data, dp_group=None):
 
 
 def build(hf_dir: Path, aux_loss: dict, lr: float):
-    from engine_batches import build_engine
+    from scripts.bench.engine_batches import build_engine
 
     return build_engine(hf_dir, lr, aux_loss=aux_loss)
 
 
 def batch(seqs: int, prompt: int, response: int, max_tokens: int):
-    from engine_batches import random_batch
+    from scripts.bench.engine_batches import random_batch
 
     return random_batch(seqs, prompt, response, max_tokens)
 

@@ -14,7 +14,7 @@ the copy twice: end to end and data phase only. The data phase's CPU time and sh
 speed on one core show whether it is bound by the CPUs or the disk. Prints JSON (the
 "summary" block first answers the targets); deletes its files unless --keep.
 
-    .venv/bin/python scripts/bench/convert_bench.py --layers 2 [--repeats 3] [--json out.json]
+    .venv/bin/python -m scripts.bench.convert_bench --layers 2 [--repeats 3] [--json out.json]
 """
 
 import argparse
@@ -33,12 +33,10 @@ from pathlib import Path
 import psutil
 import torch
 
+from backend.shared.integers import ceil_div
+from parallel.models import QWEN3_30B_A3B
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from backend.shared.names import ceil_div  # noqa: E402
-from parallel.models import QWEN3_30B_A3B  # noqa: E402
-
 GB = 1e9
 
 
@@ -266,7 +264,7 @@ def main() -> None:
         return child(args.child[0], args.child[1:])
 
     work = Path(tempfile.mkdtemp(prefix="convert_bench_", dir=args.dir))
-    me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    me = [sys.executable, "-m", "scripts.bench.convert_bench", "--child"]  # cwd: ROOT
     try:
         src, copy = work / "hf", work / "copy"
         specs = write_synthetic(src, args.layers, int(args.shard_gb * GB))

@@ -13,7 +13,7 @@ A copy of the same bytes (sendfile + fsync, as convert_bench.py) is timed before
 direction. Reading a hole costs no disk time, in the copy as in the conversions, so the
 ratios compare the write, hash and CPU paths at full size, where start-up is amortised.
 
-    .venv/bin/python scripts/bench/convert_full_size.py [--layers 48] [--dir D] [--json out.json]
+    .venv/bin/python -m scripts.bench.convert_full_size [--layers 48] [--dir D] [--json out.json]
 """
 
 import argparse
@@ -29,11 +29,9 @@ from pathlib import Path
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import convert_bench as bench  # noqa: E402  (same directory)
-
-from converters.hf_writer import ShardedWriter, shard_header, write_index  # noqa: E402
-from parallel.models import QWEN3_30B_A3B  # noqa: E402
+from converters.hf_writer import ShardedWriter, shard_header, write_index
+from parallel.models import QWEN3_30B_A3B
+from scripts.bench import convert_bench as bench
 
 MARK = 4096  # random bytes at each end of a tensor
 GB = bench.GB
@@ -108,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="convert_full_", dir=args.dir))
-    me = [sys.executable, str(Path(bench.__file__).resolve()), "--child"]
+    me = [sys.executable, "-m", "scripts.bench.convert_bench", "--child"]  # cwd: bench.ROOT
     src, dist, back = work / "hf", work / "mcore", work / "hf_back"
     try:
         log(f"writing the sparse {args.layers}-layer checkpoint in {work}")

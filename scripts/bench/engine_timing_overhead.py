@@ -5,19 +5,16 @@ round (world 1, CPU). A round is what the actor does in a trainer step: the old-
 pass, the offload verl asks for after it, one train_batch (which onloads) and the weight stream to the rollout. Timed in process
 CPU time (the timer's cost is CPU work; wall time on a shared machine swings by more).
 
-    python scripts/bench/engine_timing_overhead.py --rounds 30
+    python -m scripts.bench.engine_timing_overhead --rounds 30
 """
 
 import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def sum_loss(model_output, data, dp_group=None):
@@ -48,11 +45,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON with the figures")
     args = parser.parse_args(argv)
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-    from engine_batches import build_engine, random_batch
-
     from backend.platform.device import prepare_device
     from backend.training.distributed import init_parallel
     from recipes.local.task.hf_checkpoints import make_tiny_checkpoint
+    from scripts.bench.engine_batches import build_engine, random_batch
 
     init_parallel(prepare_device("cpu"), seed=0)
     shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden,

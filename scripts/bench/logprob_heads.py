@@ -21,9 +21,9 @@ mark cannot be reset (ru_maxrss then), a pass whose peak does not rise above the
 earlier high-water mark is reported as unmeasured. Time: wall time of the pass,
 the best of --repeats runs after the measured one (a shared machine: expect noise).
 
-    python scripts/bench/logprob_heads.py                      # V 16384, T 8K, 16K, 32K
-    python scripts/bench/logprob_heads.py --tokens 32768 --vocab 32768
-    python scripts/bench/logprob_heads.py --scope head --tokens 2048 --hidden 64 --chunk-mib 16
+    python -m scripts.bench.logprob_heads                      # V 16384, T 8K, 16K, 32K
+    python -m scripts.bench.logprob_heads --tokens 32768 --vocab 32768
+    python -m scripts.bench.logprob_heads --scope head --tokens 2048 --hidden 64 --chunk-mib 16
 """
 
 import argparse
@@ -198,7 +198,8 @@ def measure(args, head: str, which: str, tokens: int) -> dict:
     argv = [f"--{k}={getattr(args, k)}" for k in shape]
     if args.chunk_mib:
         argv.append(f"--chunk-mib={args.chunk_mib}")
-    cmd = [sys.executable, __file__, *argv, "--child", f"{head},{which},{tokens}"]
+    run = f"{head},{which},{tokens}"
+    cmd = [sys.executable, "-m", "scripts.bench.logprob_heads", *argv, "--child", run]
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"child {head},{which},{tokens} failed:\n{done.stderr[-3000:]}")
@@ -239,7 +240,6 @@ def report(results: list[dict]) -> list[str]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
     if args.child:
         print(json.dumps(child(args)))
         return []

@@ -8,9 +8,9 @@ the median of each reported:
        (the per-step all-reduce, copy to host and metrics) after every step.
 Prints a summary and writes JSON with the ratios.
 
-    python scripts/bench/monitor_overhead.py --preset tiny
-    python scripts/bench/monitor_overhead.py --preset large --repeats 9
-    python scripts/bench/monitor_overhead.py --device cuda --preset qwen3-layer
+    python -m scripts.bench.monitor_overhead --preset tiny
+    python -m scripts.bench.monitor_overhead --preset large --repeats 9
+    python -m scripts.bench.monitor_overhead --device cuda --preset qwen3-layer
 """
 
 import argparse

@@ -30,8 +30,8 @@ torch.cuda.max_memory_allocated over that mode's steps (reset before each step, 
 included) and `step_gib` = that peak minus the memory allocated just before the step;
 `ratio.peak_mem` / `ratio.step_mem` = packed / padded. None on cpu.
 
-    .venv/bin/python scripts/bench/packed_layers.py --preset tiny --device cpu
-    python3 scripts/bench/packed_layers.py --preset 4L --device cuda --out packed_4L.json
+    .venv/bin/python -m scripts.bench.packed_layers --preset tiny --device cpu
+    python3 -m scripts.bench.packed_layers --preset 4L --device cuda --out packed_4L.json
 
 One JSON document to --out (and stdout), rewritten after each timed pair of steps (with
 "error": "interrupted" until the run ends, so a timeout keeps what was measured); progress on
@@ -48,13 +48,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import step_bench  # noqa: E402  (same directory: presets, shapes, model options, env)
-
-from backend.model.packing import packed_layout  # noqa: E402
+from backend.model.packing import packed_layout
+from scripts.bench import step_bench  # presets, shapes, model options, env
 
 MODES = ("padded", "packed")
 GIB = 1024**3

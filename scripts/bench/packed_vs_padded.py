@@ -27,9 +27,9 @@ padded peak per pass; `per_micro_batch` gives the tokens each plan puts in a mic
 (padded slots for the padded plan, real tokens for the packed one), which bound the
 activations.
 
-    .venv/bin/python scripts/bench/packed_vs_padded.py
-    .venv/bin/python scripts/bench/packed_vs_padded.py --rows 64 --iters 5 --out packed.json
-    .venv/bin/python scripts/bench/packed_vs_padded.py --memory --no-timing
+    .venv/bin/python -m scripts.bench.packed_vs_padded
+    .venv/bin/python -m scripts.bench.packed_vs_padded --rows 64 --iters 5 --out packed.json
+    .venv/bin/python -m scripts.bench.packed_vs_padded --memory --no-timing
 """
 
 import argparse
@@ -48,7 +48,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 MODEL = dict(
     vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -249,7 +248,8 @@ def measure_memory(args) -> dict:
 
     def child(run: tuple[str, str]) -> dict:
         name, which = run
-        cmd = [sys.executable, __file__, *argv, "--child", f"{name},{which}"]
+        cmd = [sys.executable, "-m", "scripts.bench.packed_vs_padded", *argv]
+        cmd += ["--child", f"{name},{which}"]
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"child {name},{which} failed:\n{done.stderr[-3000:]}")

@@ -4,20 +4,17 @@ Two mcore_ep engines on the same tiny checkpoint (world size 1, CPU unless --dev
 same verl batch carrying `routed_experts`; train_batch steps (forward, backward, optimizer)
 alternate between the engines, and the ratio of the medians is printed.
 
-    python scripts/bench/replay_cost.py                  # tiny model, R3, 15 steps each
-    python scripts/bench/replay_cost.py --mode R2 --steps 25 --seqs 3
+    python -m scripts.bench.replay_cost                  # tiny model, R3, 15 steps each
+    python -m scripts.bench.replay_cost --mode R2 --steps 25 --seqs 3
 """
 
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def sum_loss(model_output, data, dp_group=None):
@@ -46,7 +43,7 @@ def build(hf_dir: Path, mode: str):
 
 def batch(seqs: int, prompt: int, response: int, engine):
     """Random sequences with the router's own routes (an R2 recording) as `routed_experts`."""
-    from engine_batches import random_batch
+    from scripts.bench.engine_batches import random_batch
 
     data = random_batch(seqs, prompt, response, max_tokens=seqs * (prompt + response))
     with engine.eval_mode():

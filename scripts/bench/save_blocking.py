@@ -14,20 +14,17 @@ ratio background / in place (target <= 0.2), and the planning time (dist_checkpo
 until its request is returned, model and optimizer state) of the first save (a new plan)
 and of the timed background saves (cached).
 
-    python scripts/bench/save_blocking.py                       # hidden 1024, 4 layers, 5 each
-    python scripts/bench/save_blocking.py --hidden 256 --saves 3 --out save.json
+    python -m scripts.bench.save_blocking                       # hidden 1024, 4 layers, 5 each
+    python -m scripts.bench.save_blocking --hidden 256 --saves 3 --out save.json
 """
 
 import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def build(hf_dir: Path):

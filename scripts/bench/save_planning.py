@@ -16,8 +16,8 @@ The two gathers the uncached save makes are reported as bytes (the pickled metad
 rank sends), not timed: a fake process group moves nothing. The optimizer state's directory
 (megatron-core's distributed optimizer, which needs real buffers) is not built here.
 
-    python scripts/bench/save_planning.py                  # Qwen3-30B-A3B, tp 4, ep 8, 32 ranks
-    python scripts/bench/save_planning.py --tp 2 --ep 2 --world 4 --model tiny
+    python -m scripts.bench.save_planning                  # Qwen3-30B-A3B, tp 4, ep 8, 32 ranks
+    python -m scripts.bench.save_planning --tp 2 --ep 2 --world 4 --model tiny
 """
 
 import argparse
@@ -27,8 +27,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def join_as(rank: int, world: int, tp: int, ep: int, etp: int = 1) -> None:

@@ -11,9 +11,9 @@ and the run goes on:
 - hf-grouped_mm: transformers' Qwen3MoeForCausalLM, grouped_mm experts, SDPA attention,
 - hf-eager: the same with transformers' eager per-expert loop.
 
-    .venv/bin/python scripts/bench/step_bench.py --preset 4L --out step_4L.json
-    .venv/bin/python scripts/bench/step_bench.py --preset 12L --systems ours,hf-grouped_mm
-    .venv/bin/python scripts/bench/step_bench.py --preset tiny --breakdown    # CPU, seconds
+    .venv/bin/python -m scripts.bench.step_bench --preset 4L --out step_4L.json
+    .venv/bin/python -m scripts.bench.step_bench --preset 12L --systems ours,hf-grouped_mm
+    .venv/bin/python -m scripts.bench.step_bench --preset tiny --breakdown    # CPU, seconds
 
 Presets (Qwen3-30B-A3B layers: hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8 with
 norm_topk_prob, expert ffn 768, vocab 151936, untied lm_head; parallel.models): 4L = 4 layers,
@@ -60,15 +60,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from step_phases import PHASE_PREFIX, profile_phases  # noqa: E402  (same directory)
-from step_results import compare_to_reference, error_result, speed  # noqa: E402
-
-from parallel.models import QWEN3_30B_A3B as RELEASED_CONFIG  # noqa: E402
-from parallel.models import TINY_QWEN3_MOE  # noqa: E402
+from parallel.models import QWEN3_30B_A3B as RELEASED_CONFIG
+from parallel.models import TINY_QWEN3_MOE
+from scripts.bench.step_phases import PHASE_PREFIX, profile_phases
+from scripts.bench.step_results import compare_to_reference, error_result, speed
 
 # the released config (parallel.models); the dtype is this script's choice (--dtype)
 QWEN3_30B_A3B = {k: v for k, v in RELEASED_CONFIG.items() if k != "torch_dtype"}

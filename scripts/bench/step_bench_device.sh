@@ -29,7 +29,7 @@ run_preset() {  # preset, timeout in seconds, extra flags
     local preset=$1 limit=$2
     shift 2
     local start=$SECONDS
-    timeout --kill-after=10 "$limit" python3 scripts/bench/step_bench.py --preset "$preset" "$@" \
+    timeout --kill-after=10 "$limit" python3 -m scripts.bench.step_bench --preset "$preset" "$@" \
         --out "$OUT_DIR/step_$preset.json" >/dev/null 2>"$OUT_DIR/step_$preset.log"
     echo "== preset $preset: exit $? after $((SECONDS - start)) s (124 = timed out)"
     tr '\r' '\n' <"$OUT_DIR/step_$preset.log" | grep -v -e "systems:" -e "^[[:space:]]*$" | tail -n 8  # per-system lines, last error
@@ -38,7 +38,7 @@ run_preset() {  # preset, timeout in seconds, extra flags
 run_packed() {  # preset, timeout in seconds: packed vs padded forward + backward, same rows
     local preset=$1 limit=$2
     local start=$SECONDS
-    timeout --kill-after=10 "$limit" python3 scripts/bench/packed_layers.py --preset "$preset" \
+    timeout --kill-after=10 "$limit" python3 -m scripts.bench.packed_layers --preset "$preset" \
         --device cuda --out "$OUT_DIR/packed_$preset.json" >/dev/null 2>"$OUT_DIR/packed_$preset.log"
     echo "== packed vs padded $preset: exit $? after $((SECONDS - start)) s (124 = timed out)"
     grep "^\[packed_layers\]" "$OUT_DIR/packed_$preset.log" | tail -n 4

@@ -9,8 +9,8 @@ Reports the median ratios over off (and the paired and best-case ratios) and wri
 On CPU steps are timed in process CPU time (time.process_time): the instrument's cost is CPU
 work, and wall time on a machine shared with other jobs swings by more than the effect.
 
-    python scripts/bench/timing_overhead.py --preset tiny
-    python scripts/bench/timing_overhead.py --device cuda --preset qwen3-layer
+    python -m scripts.bench.timing_overhead --preset tiny
+    python -m scripts.bench.timing_overhead --device cuda --preset qwen3-layer
 """
 
 import argparse
@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from monitor_overhead import PRESETS, actor_step, build, make_batch, write_json
+
+from scripts.bench.monitor_overhead import PRESETS, actor_step, build, make_batch, write_json
 
 MODES = ("off", "sections", "on")
 

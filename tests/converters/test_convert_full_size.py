@@ -1,25 +1,15 @@
 """The full-size converter benchmark's sparse checkpoint: every real tensor, random ends, holes
 between, and readable as a normal HF checkpoint (what lets a 61 GB run fit one model of disk)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from converters.hf_source import HFSource
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "scripts/bench"))
-    spec = importlib.util.spec_from_file_location(
-        "convert_full_size", ROOT / "scripts/bench/convert_full_size.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts.bench import convert_full_size
+
+    return convert_full_size
 
 
 def test_sparse_checkpoint_has_real_shapes_random_ends_and_holes(world1, tmp_path):

@@ -364,15 +364,10 @@ def test_packed_equals_padded_under_tp_and_ep(tiny_hf_dir):
 
 def _bench_module(monkeypatch):
     """scripts/bench/packed_vs_padded.py as a module, its engines on the cpu."""
-    import importlib.util
-    from pathlib import Path
-
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    path = Path(__file__).parents[2] / "scripts" / "bench" / "packed_vs_padded.py"
-    spec = importlib.util.spec_from_file_location("packed_vs_padded", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    from scripts.bench import packed_vs_padded
+
+    return packed_vs_padded
 
 
 @pytest.mark.bench

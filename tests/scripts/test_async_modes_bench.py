@@ -2,13 +2,11 @@
 (the launches themselves are the main job's, tested in test_async_modes.py)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-import async_modes  # noqa: E402
+from scripts.bench import async_modes
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 LAG, VAL = async_modes.LAG, "val-aux/math_dapo/reward/mean@8"

@@ -1,13 +1,10 @@
 """The log-prob heads benchmark runs end to end at a toy size (its children, its tables), and
 the head's measured peaks are parallel/head_memory.py's estimates."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 # the head alone (--scope head), fp32: T = 2048 tokens in chunks of 256 (16 MiB at V 16384),
 # so the lean head holds two chunk buffers where the full one holds [T, V] logits and copies
 TOY = ["--scope", "head", "--tokens", "2048", "--seq", "256", "--vocab", "16384"]
@@ -24,9 +21,8 @@ def test_toy_run_measures_what_the_memory_model_estimates(tmp_path, capsys):
     holding a third chunk buffer (its backward's previous chunk gradient kept: 1.45x), the
     lean head holding the logits (one chunk of T tokens), a memory model that drifts from
     the code (parallel.head_memory.LEAN_CHUNK_BUFFERS = 1: 2x)."""
-    spec = importlib.util.spec_from_file_location("lph", ROOT / "scripts/bench/logprob_heads.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from scripts.bench import logprob_heads as bench
+
     out = tmp_path / "b.json"
     results = bench.main([*TOY, "--out", str(out)])
     assert {(r["head"], r["pass"]) for r in results} == {

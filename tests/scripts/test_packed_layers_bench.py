@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts/bench/packed_layers.py"
 # the device machine has no verl: block it, so any import of it in the chain fails the run
+# (`python -m scripts.bench.packed_layers ARGS` with verl blocked; cwd: the repository root)
 NO_VERL = (
     "import runpy, sys; sys.modules['verl'] = None; "
-    "sys.argv = [sys.argv[1], *sys.argv[2:]]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    "runpy.run_module('scripts.bench.packed_layers', run_name='__main__', alter_sys=True)"
 )
 
 
@@ -26,7 +26,7 @@ def test_tiny_packed_vs_padded_on_cpu_without_verl(tmp_path):
     argv = ["--preset", "tiny", "--device", "cpu", "--warmup", "1", "--iters", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", NO_VERL, str(SCRIPT), *argv, "--out", str(out)],
+        [sys.executable, "-c", NO_VERL, *argv, "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

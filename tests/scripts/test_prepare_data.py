@@ -1,18 +1,15 @@
 """scripts/prepare_data.py and recipes.launcher.datasets: what a DAPO dataset must hold, said clearly."""
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recipes.launcher import datasets as data
+from recipes.launcher import datasets
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
 
 
 def write_dataset(
@@ -33,27 +30,26 @@ def write_dataset(
     return path
 
 
-def expecting(dataset: data.Dataset, prompts: int) -> data.Dataset:
+def expecting(dataset: datasets.Dataset, prompts: int) -> datasets.Dataset:
     return dataclasses.replace(dataset, unique_prompts=prompts)
 
 
 def prepare_data_main():
-    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    from scripts.prepare_data import main
+
+    return main
 
 
 def test_good_file_counts_distinct_prompts_not_rows(tmp_path):
     path = write_dataset(tmp_path / "aime.parquet", prompts=30, repeat=32)  # like AIME-2024's card
-    report = data.check_file(path, data.VAL)
+    report = datasets.check_file(path, datasets.VAL)
     assert report.ok, report.problems
     assert (report.rows, report.unique_prompts) == (960, 30)
 
 
 def test_wrong_prompt_count_is_named(tmp_path):
-    report = data.check_file(
-        write_dataset(tmp_path / "t.parquet", prompts=12), expecting(data.TRAIN, 17_917)
+    report = datasets.check_file(
+        write_dataset(tmp_path / "t.parquet", prompts=12), expecting(datasets.TRAIN, 17_917)
     )
     assert report.problems == [
         "12 distinct prompts, DAPO-Math-17k has 17,917: is it the right or a complete file?"
@@ -64,15 +60,15 @@ def test_wrong_prompt_count_is_named(tmp_path):
     "column", ["prompt", "reward_model", "extra_info", "ability", "data_source"]
 )
 def test_missing_column_is_named(tmp_path, column):
-    report = data.check_file(
-        write_dataset(tmp_path / "t.parquet", 5, drop=column), expecting(data.TRAIN, 5)
+    report = datasets.check_file(
+        write_dataset(tmp_path / "t.parquet", 5, drop=column), expecting(datasets.TRAIN, 5)
     )
     assert f"column `{column}` is missing" in report.problems
 
 
 def test_unscorable_data_source_is_named(tmp_path):
-    report = data.check_file(
-        write_dataset(tmp_path / "t.parquet", 5, source="gsm8k"), expecting(data.TRAIN, 5)
+    report = datasets.check_file(
+        write_dataset(tmp_path / "t.parquet", 5, source="gsm8k"), expecting(datasets.TRAIN, 5)
     )
     assert len(report.problems) == 1 and "'gsm8k'" in report.problems[0]
 
@@ -91,25 +87,30 @@ def test_plain_string_prompts_are_refused(tmp_path):
         ),
         path,
     )
-    report = data.check_file(path, expecting(data.TRAIN, 1))
+    report = datasets.check_file(path, expecting(datasets.TRAIN, 1))
     assert any("chat messages" in p for p in report.problems)
 
 
 def test_script_says_what_is_missing_and_how_to_get_it(tmp_path, capsys):
-    write_dataset(tmp_path / data.VAL.filename, prompts=30)
+    write_dataset(tmp_path / datasets.VAL.filename, prompts=30)
     assert prepare_data_main()(["--data-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / data.TRAIN.filename}"
+    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / datasets.TRAIN.filename}"
     assert out[1].strip() == (
-        f"missing: download it with `wget -O {tmp_path / data.TRAIN.filename} {data.TRAIN.url}`"
+        f"missing: download it with `wget -O {tmp_path / datasets.TRAIN.filename} {datasets.TRAIN.url}`"
     )
-    assert out[2] == f"ok  AIME-2024 {tmp_path / data.VAL.filename}: 30 rows, 30 distinct prompts"
+    assert (
+        out[2] == f"ok  AIME-2024 {tmp_path / datasets.VAL.filename}: 30 rows, 30 distinct prompts"
+    )
 
 
 def test_script_passes_on_good_files(tmp_path):
-    write_dataset(tmp_path / data.TRAIN.filename, prompts=data.TRAIN.unique_prompts)
+    write_dataset(tmp_path / datasets.TRAIN.filename, prompts=datasets.TRAIN.unique_prompts)
     write_dataset(
-        tmp_path / data.VAL.filename, prompts=data.VAL.unique_prompts, repeat=32, source="aime2024"
+        tmp_path / datasets.VAL.filename,
+        prompts=datasets.VAL.unique_prompts,
+        repeat=32,
+        source="aime2024",
     )
     assert prepare_data_main()(["--data-dir", str(tmp_path)]) == 0
 
@@ -123,7 +124,7 @@ SOURCES = ["math_dapo", "aime2024", "math", "openai/gsm8k", "lighteval/MATH",
 def test_the_scorer_lookup_is_verls_own_dispatch(source):
     """has_scorer answers as verl's default_compute_score does when it really scores: it
     raises at its dispatch for a source it does not know (None included), else scores."""
-    compute_score = data.default_scorer()
+    compute_score = datasets.default_scorer()
     try:
         compute_score(source, "Answer: 2", "2")
         scored = True
@@ -131,20 +132,20 @@ def test_the_scorer_lookup_is_verls_own_dispatch(source):
         scored = False
     except ImportError:  # dispatched, to a scorer whose extra package is not installed here
         scored = True
-    assert data.has_scorer(compute_score, source) == scored
+    assert datasets.has_scorer(compute_score, source) == scored
 
 
 def test_schema_only_checks_the_scorer_too(tmp_path, capsys):
-    write_dataset(tmp_path / data.TRAIN.filename, prompts=3, source="gsm8k")
-    write_dataset(tmp_path / data.VAL.filename, prompts=3, source="aime2024")
+    write_dataset(tmp_path / datasets.TRAIN.filename, prompts=3, source="gsm8k")
+    write_dataset(tmp_path / datasets.VAL.filename, prompts=3, source="aime2024")
     assert prepare_data_main()(["--data-dir", str(tmp_path), "--schema-only"]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / data.TRAIN.filename}"
+    assert out[0] == f"BAD DAPO-Math-17k {tmp_path / datasets.TRAIN.filename}"
     assert out[1].strip().startswith("data_source 'gsm8k' (1 of 1 distinct values) has no scorer")
-    assert out[2] == f"ok  AIME-2024 {tmp_path / data.VAL.filename}"
+    assert out[2] == f"ok  AIME-2024 {tmp_path / datasets.VAL.filename}"
 
 
 def test_a_custom_reward_function_scores_every_source(tmp_path):
     path = write_dataset(tmp_path / "t.parquet", 3, source="my_task")
-    assert not data.check_file(path, expecting(data.TRAIN, 3), scorer=None).problems
-    assert data.check_file(path, expecting(data.TRAIN, 3)).problems
+    assert not datasets.check_file(path, expecting(datasets.TRAIN, 3), scorer=None).problems
+    assert datasets.check_file(path, expecting(datasets.TRAIN, 3)).problems

@@ -2,13 +2,11 @@
 launches themselves are the main job's, tested in test_verl_cpu_trainer.py)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-import replay_modes  # noqa: E402
+from scripts.bench import replay_modes
 
 AGREE, MATCH, DIFF = replay_modes.AGREE, replay_modes.MATCH, replay_modes.DIFF
 

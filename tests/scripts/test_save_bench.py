@@ -1,7 +1,7 @@
 """The checkpoint-save benchmarks end to end at small settings (their figures at the shipped
 size: docs/checkpoints.md, "At Qwen3-30B-A3B size")."""
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "scripts" / "bench"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return importlib.import_module(f"scripts.bench.{name}")
 
 
 @pytest.mark.bench
@@ -41,7 +38,8 @@ def test_save_planning_times_one_rank_of_a_fake_world(tmp_path):
     out = tmp_path / "plan.json"
     argv = ["--model", "tiny", "--tp", "1", "--ep", "2", "--world", "2", "--repeats", "1"]
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "save_planning.py"), *argv, "--out", str(out)],
+        [sys.executable, "-m", "scripts.bench.save_planning", *argv, "--out", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,21 +1,15 @@
 """The step benchmark runs every system on the tiny preset (CPU) and writes a complete JSON:
 what the one-GPU run relies on, kept working between device sessions."""
 
-import importlib.util
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script(name: str):
-    """A module of scripts/bench/ (not a package), loaded from its file."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/bench/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A module of scripts/bench/ (imported when a test needs it: torch and the model code)."""
+    return importlib.import_module(f"scripts.bench.{name}")
 
 
 @pytest.mark.bench

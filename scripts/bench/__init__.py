@@ -1,0 +1,1 @@
+"""Benchmarks, each run from the repository root as `python -m scripts.bench.NAME`."""
