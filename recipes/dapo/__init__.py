@@ -1,15 +1,16 @@
-"""DAPO on verl with our megatron-core actor: the cluster path.
+"""DAPO on verl with our megatron-core actor: the cluster path, by concern.
 
-- engine.py: the verl engine (backend "mcore_ep", devices cuda / npu / cpu), registered with
-  verl's EngineRegistry when imported; verl imports it in every worker through
-  `actor_rollout_ref.model.external_lib`.
-- config.py: the verl config dataclasses of that engine (`_target_` of the actor section).
-- overrides.py + fit.py: the verl overrides for Qwen3-30B-A3B on 4x8 Ascend A2 and 4x8 H100,
-  grouped by concern, offload decided by the memory model of `parallel/`.
-- launch.py: `python -m recipes.dapo` / scripts/train_mcore.sh: runs the resolved job on the
-  running Ray cluster (or the local CPU run); resolution.py: arguments, plan check, environment,
-  the resolved config; dry_run.py: what the dry run prints.
-See recipes/README.md.
+- job/: the verl overrides for Qwen3-30B-A3B on 4x8 Ascend A2 and 4x8 H100 grouped by concern
+  (a JobSpec makes them), offload decided by parallel/'s memory model, the trainer modes, which
+  actor trains (ours or verl's FSDP2).
+- checkpoints/: where a checkpoint's files lie, background saves and their sealing, resume as
+  data.
+- engine/: what runs inside verl's workers: the `mcore_ep` engine (verl_engine.py, registered
+  with verl's EngineRegistry when verl imports it through `actor_rollout_ref.model.external_lib`),
+  its config dataclasses, passes, batches, log-probs, routes, guards, metrics, weights.
+- cluster/: the job's processes and environment, Ray, a lost node, the run's scope.
+- console/: what a person sees of a run.
+The launcher over this and the embedded CPU run is recipes.launcher. See recipes/README.md.
 """
 
 BACKEND = "mcore_ep"  # the EngineRegistry backend name (actor.strategy)

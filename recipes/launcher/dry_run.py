@@ -117,7 +117,7 @@ def assumed_skew_lines(model_fit, fit, skew) -> tuple[str, ...]:
     return tuple(skew_lines(model_fit, options, skew))
 
 
-def ray_line(run: overrides.RunSpec) -> str:
+def ray_line(run: overrides.JobSpec) -> str:
     if run.ray_address:
         return f"the running cluster at {run.ray_address} (--ray-address)"
     if run.device == "cpu":

@@ -1,4 +1,8 @@
-"""Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.launcher.launch`).
+"""Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.launcher`).
+
+The flags are parsed (recipes.launcher.arguments) and validated once into a RunSpec
+(recipes.launcher.run_spec: device, plan against the model, mode, engine); everything below
+reads that object.
 
 Cluster run (--device npu|cuda, or the accelerator this machine has): check the plan against
 the model (parallel/), the model and data files, the device stack; decide offload with the
@@ -8,12 +12,12 @@ nodes (recipes.dapo.cluster.lost_node).
 Local run (no accelerator, or --device cpu): the embedded CPU recipe, whose verl starts its
 own Ray, on the model --model chose (recipes.launcher.local_model); with --ray-address, the
 same job on that running cluster, through the cluster run's steps (`ray status` check, job
-environment, node watch): the one-box rehearsal. Its directory is written only once every check passed (`prepare_local`): an earlier run there is
-moved to <dir>.<UTC timestamp> without --resume (recipes.launcher.local_checks), never deleted.
+environment, node watch): the one-box rehearsal. Its directory is written only once every
+check passed (`prepare_local`): an earlier run there is moved to <dir>.<UTC timestamp> without --resume (recipes.launcher.local_checks), never deleted.
 Everything after `--` passes through as verl overrides.
 This module runs the resolved job (verl's trainer through the console, the resume it will
-take, the lost-node watch); the flags and their resolution are recipes.launcher.resolution's,
-the printed config recipes.launcher.dry_run's.
+take, the lost-node watch); the job a RunSpec makes is recipes.launcher.resolution's, the
+printed config recipes.launcher.dry_run's.
 Console (recipes.dapo.console.screen): the child's whole output goes to <run>/logs/launch_NNN.log;
 the screen shows a line per trainer step, each distinct warning once, the run-health
 alarms and the summary (`--verbose`: every line, as verl prints them).
@@ -35,46 +39,37 @@ from recipes.dapo.checkpoints import resume
 from recipes.dapo.checkpoints.files import ACTOR
 from recipes.dapo.cluster import lost_node, ray_job
 from recipes.dapo.errors import LaunchError
-from recipes.dapo.job import overrides, trainer_modes
-from recipes.launcher import local_checks, stack
-from recipes.launcher.resolution import (
-    Resolved,
-    build_parser,
-    pick_device,
-    resolve,
-    resolve_local,
-    split_argv,
-)
+from recipes.dapo.job import overrides
+from recipes.launcher import local_checks, run_spec, stack
+from recipes.launcher.arguments import build_parser, split_argv
+from recipes.launcher.resolution import Resolved, resolve, resolve_local
+from recipes.launcher.run_spec import RunSpec
 
 
-def run(args, extra: list[str]) -> int:
+def run(spec: RunSpec) -> int:
     t0 = launched_at()  # the run's wall time and start-up lines count from here
-    device = pick_device(args.device)
-    if device == "cpu":
-        resolved, out, model = resolve_local(args, extra)
-    else:
-        resolved = resolve(args, device, extra)
-    if args.dry_run:  # writes nothing
+    resolved = resolve_local(spec) if spec.is_local else resolve(spec)
+    if spec.dry_run:  # writes nothing
         print(resolved.describe())
-        if device == "cpu" and not args.resume and local_checks.earlier_run(out):
-            print(local_checks.would_set_aside(out))
+        if spec.is_local and not spec.resume and local_checks.earlier_run(spec.out):
+            print(local_checks.would_set_aside(spec.out))
         return 0
-    stack.check_installed(device)  # the target's package set, before Ray or any model work
-    prepared_s = prepare_local(out, args, model.name) if device == "cpu" else 0.0
+    stack.check_installed(spec.device)  # the target's package set, before Ray or any model work
+    prepared_s = prepare_local(spec) if spec.is_local else 0.0
     settle_resume(resolved.groups)  # what verl will resume from and unpickle, first
-    if device == "npu":
+    if spec.device == "npu":
         ray_job.raise_open_files()
     env, watch = resolved.run.env, None
-    if device != "cpu" or args.ray_address:  # a running cluster: the same steps on every device
-        devices = resolved.run.plan.world + trainer_modes.run_split(resolved.run).rollout_devices
-        ray_job.check_ray(device, devices, args.ray_address, env)
-        watch = lost_node.NodeWatch(args.ray_address, env)
-    if device == "cpu":
+    if not spec.is_local or spec.ray_address:  # a running cluster: the same steps everywhere
+        devices = spec.plan.world + spec.split.rollout_devices
+        ray_job.check_ray(spec.device, devices, spec.ray_address, env)
+        watch = lost_node.NodeWatch(spec.ray_address, env)
+    if spec.is_local:
         from recipes.local.run import run as run_local
 
-        return run_local(resolved, out, t0, verbose=args.verbose, debug=args.debug,
+        return run_local(resolved, spec.out, t0, verbose=spec.verbose, debug=spec.debug,
                          watch=watch, prepared_s=prepared_s)  # fmt: skip
-    return run_cluster(resolved, args.verbose, args.debug, watch, started=t0)
+    return run_cluster(resolved, spec.verbose, spec.debug, watch, started=t0)
 
 
 def launched_at() -> float:
@@ -93,16 +88,17 @@ def launched_at() -> float:
     return now - min(max(age, 0.0), 3600.0)
 
 
-def prepare_local(out: Path, args, model: str) -> float:
+def prepare_local(spec: RunSpec) -> float:
     """The local run's directory, once every check passed: an earlier run there moved aside
     (without --resume; never deleted), then the model (tiny / mini: built once, the mini
     one's warm-up too; a directory: used in place) and data made. Returns its seconds."""
     from recipes.local.run import prepare
 
     t0 = time.perf_counter()
-    if not args.resume and local_checks.earlier_run(out):
+    out = spec.out
+    if not spec.resume and local_checks.earlier_run(out):
         print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
-    prepare(out, seed=args.seed or 0, model=model, warmup_steps=args.warmup_steps)
+    prepare(out, seed=spec.seed or 0, model=spec.local.name, warmup_steps=spec.warmup_steps)
     return time.perf_counter() - t0
 
 
@@ -164,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_exit_code(build_parser(), own)
     if isinstance(args, int):  # --help, or a usage error already printed in one line
         return args
-    return run_cli(
-        lambda: run(args, extra),
+    return run_cli(  # the arguments are read once, into a RunSpec; nothing after reads args
+        lambda: run(run_spec.from_args(args, extra)),
         debug=args.debug,
         user_errors=(ValueError, LaunchError, MissingDependencyError, DeviceError),
         interrupted="nothing was started",

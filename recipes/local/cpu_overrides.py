@@ -58,7 +58,7 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 
 def cpu_overrides(run) -> dict[str, dict]:
-    """{concern: {override: value}} for the embedded run (run: recipes.dapo.job.overrides.RunSpec)."""
+    """{concern: {override: value}} for the embedded run (run: recipes.dapo.job.overrides.JobSpec)."""
     from recipes.dapo.job.actors import plan_label
 
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"

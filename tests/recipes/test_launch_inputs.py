@@ -13,7 +13,7 @@ import pytest
 
 from recipes.dapo.cluster import ray_job
 from recipes.dapo.job import overrides
-from recipes.launcher import launch, resolution
+from recipes.launcher import launch, resolution, run_spec
 from tests.support import oracles
 
 pytestmark = pytest.mark.no_mcore
@@ -146,8 +146,10 @@ def test_plus_and_tilde_overrides_reach_verl_as_written(tmp_path, monkeypatch):
 
     extra = ["+trainer.note=1", "~trainer.total_epochs", "~trainer.val_before_train",
              "~actor_rollout_ref.actor.mcore_ep.packed"]  # fmt: skip
-    args = resolution.build_parser().parse_args(["--ckpt-dir", str(tmp_path), "--dry-run"])
-    resolved, _, _ = resolution.resolve_local(args, extra)
+    spec = run_spec.from_argv(
+        ["--device", "cpu", "--ckpt-dir", str(tmp_path), "--dry-run", "--", *extra]
+    )
+    resolved = resolution.resolve_local(spec)
     cli = overrides.to_cli(resolved.groups)
     assert {"+trainer.note=1", "~trainer.total_epochs", "~trainer.val_before_train"} <= set(cli)
     assert not [item for item in cli if "val_before_train=" in item or ".packed" in item]

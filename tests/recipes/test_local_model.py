@@ -10,7 +10,7 @@ import pytest
 
 from recipes.dapo.cluster import ray_job
 from recipes.dapo.console import health_report
-from recipes.launcher import launch, resolution
+from recipes.launcher import launch, resolution, run_spec
 from recipes.local import run as local_run
 
 pytestmark = pytest.mark.no_mcore
@@ -26,8 +26,9 @@ def user_model(tmp_path_factory) -> Path:
 
 
 def _resolve(argv: list[str]):
-    own, extra = resolution.split_argv(argv)
-    return resolution.resolve_local(resolution.build_parser().parse_args(own), extra)
+    """The local run's resolution, its directory and its model (recipes.launcher.run_spec)."""
+    spec = run_spec.from_argv(["--device", "cpu", *argv])
+    return resolution.resolve_local(spec), spec.out, spec.local
 
 
 def test_a_dry_run_on_a_valid_dir_names_it_and_writes_nothing(user_model, tmp_path, capsys):
@@ -47,7 +48,7 @@ def test_the_launch_trains_and_finishes_on_the_users_dir(how, user_model, tmp_pa
     <out>/tiny_hf (`checkpoint has global shape (32, 128), tiny_hf implies (32, 64)`). Either
     way of naming DIR, verl gets it, no tiny model is built, and finish gets DIR."""
     started, finished = [], []
-    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
     monkeypatch.setattr(ray_job, "run_command", lambda cmd, *a, **k: started.append(cmd) or 0)
     monkeypatch.setattr(
         local_run, "finish", lambda out, model, *a, **k: finished.append(model) or 0

@@ -33,7 +33,7 @@ with RunScope(Path(logs), sample_s=0.3) as scope:
     scope_file = Path(manifest + ".scope")
     scope_file.write_text(json.dumps({{"id": scope.id, "tmp": str(scope.tmp),
                                        "reaper": scope.reaper.pid}}))
-    code = run_command([sys.executable, {str(REPO / "tests" / "leaky_trainer.py")!r}, manifest,
+    code = run_command([sys.executable, {str(REPO / "tests" / "support" / "leaky_trainer.py")!r}, manifest,
                         mode], scope.env)
 sys.exit(code)
 """

@@ -12,7 +12,7 @@ import pytest
 
 from recipes.dapo.cluster import ray_job
 from recipes.dapo.errors import LaunchError
-from recipes.launcher import launch, stack
+from recipes.launcher import launch, run_spec, stack
 
 REPO_ROOT = stack.STACKS.parents[1]
 
@@ -47,6 +47,11 @@ def nothing_starts(monkeypatch, tmp_path):
         device="npu", rollout_nodes=0, ray_address=None,
     )  # fmt: skip
     plan = SimpleNamespace(describe=lambda: "plan", run=run, command=["verl"], groups={})
+    spec = lambda args, extra: SimpleNamespace(  # noqa: E731  (checked: no files needed)
+        device=args.device, is_local=False, dry_run=args.dry_run, plan=run.plan,
+        split=SimpleNamespace(rollout_devices=0), ray_address=None, verbose=False, debug=False,
+    )  # fmt: skip
+    monkeypatch.setattr(run_spec, "from_args", spec)
     monkeypatch.setattr(launch, "resolve", lambda *a: plan)
     return started
 

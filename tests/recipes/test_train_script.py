@@ -17,7 +17,7 @@ import pytest
 from parallel.models import QWEN3_30B_A3B
 from recipes.dapo.cluster import lost_node, ray_job
 from recipes.dapo.job import overrides
-from recipes.launcher import launch, resolution, stack
+from recipes.launcher import launch, resolution, run_spec, stack
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -210,10 +210,12 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
 
 
 def resolved(device, files, *extra):
-    args = resolution.build_parser().parse_args(
-        argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0", "--dry-run")
-    )
-    return resolution.resolve(args, device, list(extra))
+    return resolution.resolve(
+        run_spec.from_argv(
+            [*argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0",
+                   "--dry-run"), "--", *extra]
+        )
+    )  # fmt: skip
 
 
 def flat(groups: dict) -> dict[str, str]:
@@ -337,7 +339,7 @@ def test_data_sources_are_checked_against_the_configured_reward(files, nothing_s
     pq.write_table(pa.table({**table, "data_source": ["my_task"]}), files["--train-file"])
     dry = argv(files, "--device", "cuda", "--dry-run")
     _fails_with_one_line(capsys, dry, "data_source 'my_task'", "reward.custom_reward_function")
-    reward = REPO / "recipes" / "local" / "task.py"
+    reward = REPO / "recipes" / "local" / "task" / "doubles.py"
     custom = ["--", f"reward.custom_reward_function.path={reward}",
               "reward.custom_reward_function.name=compute_score"]  # fmt: skip
     assert launch.main(dry + custom) == 0
@@ -399,9 +401,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     exe, args, cwd, env = verl_call
     assert exe == "python" and args[:2] == ["-m", "verl.trainer.main_ppo"] and cwd == str(REPO)
     expected = resolution.resolve(
-        resolution.build_parser().parse_args(argv(files, "--device", "cuda")),
-        "cuda",
-        ["trainer.total_epochs=1"],
+        run_spec.from_argv([*argv(files, "--device", "cuda"), "--", "trainer.total_epochs=1"])
     )
     assert args[2:] == overrides.to_cli(expected.groups)
     assert args[-1] == "trainer.total_epochs=1"
@@ -421,7 +421,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
 def test_no_accelerator_runs_verls_trainer_on_the_tiny_model(monkeypatch, tmp_path, capsys):
     from recipes.local import run as local_run
 
-    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
     started = []
     monkeypatch.setattr(
         ray_job, "run_command", lambda cmd, env, *a: started.append((cmd, env)) or 0
@@ -450,13 +450,13 @@ def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, 
     """--device cpu with --ray-address: the tiny job on the cluster's nodes x devices, verl's
     ray.init() attached to that address (the nodes declare the resources); without it the
     embedded run's own Ray, never a running cluster (address=local)."""
-    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
     base = ["--ep", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
-    on = resolution.build_parser().parse_args(
+    on = run_spec.from_argv(
         ["--ray-address", "10.0.0.1:6380", "--nodes", "2", "--devices-per-node", "1", *base]
     )
-    cluster_run, _, _ = resolution.resolve_local(on, [])
-    embedded, _, _ = resolution.resolve_local(resolution.build_parser().parse_args(base), [])
+    cluster_run = resolution.resolve_local(on)
+    embedded = resolution.resolve_local(run_spec.from_argv(base))
     plans = [(r.run.plan.nodes, r.run.plan.devices_per_node) for r in (cluster_run, embedded)]
     assert plans == [(2, 1), (1, 2)]
     init = "ray_kwargs.ray_init."
@@ -493,7 +493,7 @@ def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
 
     from recipes.local import run as local_run
 
-    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
+    monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
     monkeypatch.setattr(ray_job, "run_command", lambda *a, **k: pytest.fail("started"))
     hf_dir, _ = local_run.prepare(tmp_path / "run")
     capsys.readouterr()
@@ -516,10 +516,11 @@ def test_the_cpu_head_sizes_are_vllms():
 def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path, capsys):
     """--pp: the engine's pipeline size, the plan's pp groups, the memory model's stages; the
     local run folds pp into its world and refuses a pp its (mini) model cannot take."""
-    args = resolution.build_parser().parse_args(
-        argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
+    run = resolution.resolve(
+        run_spec.from_argv(
+            argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
+        )
     )
-    run = resolution.resolve(args, "cuda", [])
     engine = "+actor_rollout_ref.actor.mcore_ep"
     assert flat(run.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     assert (run.run.plan.pp, run.run.plan.dp) == (2, 4)
@@ -530,11 +531,9 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
         out = capsys.readouterr().out
         peaks[pp] = float(re.search(r"actor update peak ([\d.]+) GiB", out)[1])
     assert peaks["2"] < peaks["1"]
-    monkeypatch.setattr(launch, "pick_device", lambda requested: "cpu")
-    local = resolution.build_parser().parse_args(
-        ["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
-    )
-    resolved_local, _, _ = resolution.resolve_local(local, [])
+    monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
+    local = run_spec.from_argv(["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"])
+    resolved_local = resolution.resolve_local(local)
     assert (resolved_local.run.plan.pp, resolved_local.run.plan.world) == (2, 2)
     assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
     capsys.readouterr()

@@ -9,16 +9,14 @@ from recipes.dapo.console.screen import Console
 from recipes.dapo.console.step_line import LAG_LEGEND, lag_parts, step_line
 from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides, trainer_modes
-from recipes.launcher import launch, resolution
+from recipes.launcher import launch, resolution, run_spec
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
 
 def resolved(argv: list[str], extra: list[str] = ()):
-    args = resolution.build_parser().parse_args([*argv, "--dry-run"])
-    if args.device in ("npu", "cuda"):
-        return resolution.resolve(args, args.device, list(extra))
-    return resolution.resolve_local(args, list(extra))[0]
+    spec = run_spec.from_argv([*argv, "--dry-run", "--", *extra])
+    return resolution.resolve_local(spec) if spec.is_local else resolution.resolve(spec)
 
 
 def cli(res) -> dict[str, str]:

@@ -31,7 +31,7 @@ HF_DIR = "huggingface"  # verl's FSDP checkpoint: config, tokenizer (and the hf_
 
 
 def fsdp_overrides(run) -> dict:
-    """verl's FSDP2 actor for `run` (recipes.dapo.job.overrides.RunSpec)."""
+    """verl's FSDP2 actor for `run` (recipes.dapo.job.overrides.JobSpec)."""
     f = f"{ACTOR}.fsdp_config"
     values = {
         f"{ACTOR}.strategy": STRATEGY,

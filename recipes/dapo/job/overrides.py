@@ -4,7 +4,7 @@ Everything is on top of verl 0.9.1's `ppo_trainer` config and its V1 trainer (tr
 sync mode), which carries DAPO's dynamic sampling (algorithm.filter_groups); the DAPO reward
 manager and math_dapo scoring are verl's too. A leading `+` adds a key verl's yaml lacks.
 The reference runs' settings are in DAPO below; what depends on the cluster (plan, offload,
-paths, environment) comes from a RunSpec.
+paths, environment) comes from a JobSpec.
 """
 
 from dataclasses import dataclass
@@ -59,7 +59,7 @@ ENGINE = f"+{ACTOR}.{BACKEND}"
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class JobSpec:
     device: str  # npu (Ascend A2) | cuda (H100) | cpu (the embedded run)
     plan: ParallelPlan
     fit: Fit
@@ -80,7 +80,7 @@ class RunSpec:
     repo: Path = Path(__file__).resolve().parents[3]
 
 
-def data(run: RunSpec) -> dict:
+def data(run: JobSpec) -> dict:
     return {
         "data.train_files": run.train_file,
         "data.val_files": run.val_file,
@@ -93,7 +93,7 @@ def data(run: RunSpec) -> dict:
     }
 
 
-def algorithm(run: RunSpec) -> dict:
+def algorithm(run: JobSpec) -> dict:
     """GRPO advantages, no KL, DAPO dynamic sampling on accuracy."""
     inflight = DAPO["gen_batch_size"] // DAPO["train_batch_size"]  # 96 prompts in flight
     return {
@@ -106,7 +106,7 @@ def algorithm(run: RunSpec) -> dict:
     }
 
 
-def policy(run: RunSpec) -> dict:
+def policy(run: JobSpec) -> dict:
     """DAPO's loss (clip-higher, dual clip, token-mean, no KL/entropy) and optimizer."""
     return {
         f"{ACTOR}.clip_ratio_low": DAPO["clip_ratio_low"],
@@ -127,7 +127,7 @@ def policy(run: RunSpec) -> dict:
     }
 
 
-def engine(run: RunSpec) -> dict:
+def engine(run: JobSpec) -> dict:
     """Our backend in place of FSDP: registered by ENGINE_MODULE, configured by config.py;
     with --engine fsdp verl's own FSDP2 engine instead (recipes.dapo.job.actors)."""
     if run.engine != BACKEND:
@@ -158,7 +158,7 @@ def engine(run: RunSpec) -> dict:
     }
 
 
-def rollout(run: RunSpec) -> dict:
+def rollout(run: JobSpec) -> dict:
     r = "actor_rollout_ref.rollout"
     return {
         f"{r}.name": "vllm",
@@ -183,7 +183,7 @@ def rollout(run: RunSpec) -> dict:
     }
 
 
-def reward(run: RunSpec) -> dict:
+def reward(run: JobSpec) -> dict:
     """verl's DAPO reward manager (math_dapo score, `acc` in its extra info) + overlong buffer."""
     kw = "+reward.reward_kwargs"
     return {
@@ -196,7 +196,7 @@ def reward(run: RunSpec) -> dict:
     }
 
 
-def trainer(run: RunSpec) -> dict:
+def trainer(run: JobSpec) -> dict:
     label = DEVICE_TAGS[run.device]
     return {
         "trainer.use_v1": True,
@@ -216,7 +216,7 @@ def trainer(run: RunSpec) -> dict:
     }
 
 
-def ray_env(run: RunSpec) -> dict:
+def ray_env(run: JobSpec) -> dict:
     """Environment of every Ray worker of the job (verl's ray_init.runtime_env), and the
     cluster its ray.init() attaches to."""
     # Ray wants str values: hydra would make HCCL_EXEC_TIMEOUT=3600 an int
@@ -238,7 +238,7 @@ GROUPS = {
 }
 
 
-def build(run: RunSpec, on_top: dict[str, dict] | None = None) -> dict[str, dict]:
+def build(run: JobSpec, on_top: dict[str, dict] | None = None) -> dict[str, dict]:
     """{concern: {override key: value}}; `on_top` replaces values by concern before the
     trainer mode reads the batch sizes (the CPU run's few differences:
     recipes.local.cpu_overrides, which the launcher passes on cpu)."""
@@ -248,7 +248,7 @@ def build(run: RunSpec, on_top: dict[str, dict] | None = None) -> dict[str, dict
     return with_trainer_mode(run, groups)
 
 
-def with_trainer_mode(run: RunSpec, groups: dict[str, dict]) -> dict[str, dict]:
+def with_trainer_mode(run: JobSpec, groups: dict[str, dict]) -> dict[str, dict]:
     """verl's trainer mode and what it needs (recipes.dapo.job.trainer_modes), from the batch
     sizes the groups above set."""
     from recipes.dapo.job import trainer_modes

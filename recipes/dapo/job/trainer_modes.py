@@ -66,7 +66,7 @@ def split(mode: str, nodes: int, devices_per_node: int, embedded: bool = False) 
 
 
 def run_split(run) -> Split:
-    """The split a RunSpec (recipes.dapo.job.overrides) was resolved with."""
+    """The split a JobSpec (recipes.dapo.job.overrides) was resolved with."""
     embedded = run.device == "cpu" and not run.ray_address
     per_node = 1 if embedded and run.rollout_nodes else run.plan.devices_per_node
     return Split(run.plan.nodes, run.rollout_nodes, per_node)
