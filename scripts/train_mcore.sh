@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Main job. On a machine with Ascend NPUs or NVIDIA GPUs: DAPO on verl with the megatron-core
 # actor, launched on the running Ray cluster (scripts/ray_start_head.sh / ray_start_worker.sh).
-# Without an accelerator: the embedded local run on CPU. All logic is in recipes/dapo/ (launch.py
-# runs, resolution.py resolves, dry_run.py prints):
+# Without an accelerator: the embedded local run on CPU. All logic is in recipes/launcher/
+# (arguments.py parses, run_spec.py validates once, resolution.py resolves, launch.py runs):
 #   bash scripts/train_mcore.sh --help
 #   bash scripts/train_mcore.sh --device npu --tp 4 --ep 8 --model DIR --train-file F --val-file F \
 #       --ckpt-dir DIR [--ifname eth0] [--dry-run] [-- verl.override=value ...]

@@ -440,9 +440,10 @@ def _engine_check(ctx: Ctx) -> str:
         "import torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='file://{ctx.tmp / 'pg'}', rank=0, "
         "world_size=1)\n"
-        "from recipes.dapo import ckpt_layout, weights\n"
+        "from recipes.dapo.checkpoints import files\n"
+        "from recipes.dapo.engine import weights\n"
         f"step = Path({str(step)!r})\n"
-        "weights.check_sealed([step / 'actor' / ckpt_layout.MODEL_DIR], step_dir=step)\n"
+        "weights.check_sealed([step / 'actor' / files.MODEL_DIR], step_dir=step)\n"
     )
 
 
@@ -885,7 +886,8 @@ MONITOR = [
 
 @functools.cache
 def resolve_script():
-    """scripts/stacks/resolve.py as a module (it is a script, not a package)."""
+    """scripts/stacks/resolve.py (the CLI `python -m scripts.stacks.resolve`), loaded from its
+    file as a module of its own (`stacks_resolve`), whose names the rows patch."""
     path = Path(__file__).resolve().parents[2] / "scripts" / "stacks" / "resolve.py"
     spec = importlib.util.spec_from_file_location("stacks_resolve", path)
     module = importlib.util.module_from_spec(spec)
@@ -994,7 +996,7 @@ def table() -> str:
         ("launcher", "bash scripts/train_mcore.sh"),
         ("ray_node", "bash scripts/ray_start_{head,worker}.sh"),
         ("monitor", "python -m backend.monitor"),
-        ("resolve", "python scripts/stacks/resolve.py"),
+        ("resolve", "python -m scripts.stacks.resolve"),
     ):
         rows = [c for c in CASES if c.cli == cli]
         lines += [

@@ -1,7 +1,7 @@
 """A node lost during a cluster run: the job ends in bounded time, with one line naming the
 node and the last complete checkpoint.
 
-Ray's GCS marks a node dead once its raylet misses health checks (cluster.RAY_HEALTH). verl's
+Ray's GCS marks a node dead once its raylet misses health checks (ray_job.RAY_HEALTH). verl's
 trainer often fails by itself then (a dead rank's worker-group call raises), but it need not:
 ranks on the other nodes can wait in a collective until HCCL/NCCL give up (HCCL_EXEC_TIMEOUT is
 an hour on A2), a rollout can wait on workers that are gone. So the launcher watches the
