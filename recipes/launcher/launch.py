@@ -134,8 +134,8 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
     lost = ray_job.interrupted_line(code, resolved.run.ckpt_dir) or (
         lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
     )
-    if lost:
-        print(lost, file=sys.stderr)
+    if lost or code:  # a stop by signal: interrupted_line; a failure: its cause
+        print(lost or console.failure_line(code), file=sys.stderr)
     return code
 
 

@@ -179,7 +179,7 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
             lost = interrupted_line(code, resolved.run.ckpt_dir) or failure_line(
                 watch, resolved.run.ckpt_dir, resume="relaunch with --resume"
             )
-            print(lost or f"error: verl's trainer exited with status {code}", file=sys.stderr)
+            print(lost or console.failure_line(code), file=sys.stderr)
             return code
         return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
                       console=console, world=resolved.run.plan.world,

@@ -46,6 +46,9 @@ from recipes.dapo.console.filters import Startup, config_text, held_back_line, n
 from recipes.dapo.console.step_line import LAG_LEGEND, LEGEND, lag_parts, progress_bar, step_line
 from recipes.dapo.console.tracebacks import Tracebacks
 
+# Hydra's own last line after an error: nothing for a person to act on (the cause is shown)
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # one or nested: (vLLMHttpServer pid=1) (EngineCore pid=2) WARNING ...
 RAY_PREFIX = re.compile(r"^(?:\((?:[\w.:-]+(?: pid=\d+)?|pid=\d+)(?:, ip=[\w.:-]+)?\)\s?)+")
@@ -130,6 +133,7 @@ class Console:
     tracebacks: Tracebacks = field(default_factory=Tracebacks)  # the child's own, held
     refusal: str | None = None  # the checkpoint refusal the failed child's traceback ends with
     start_failure: str | None = None  # how Ray's start failed, if that ended the child
+    cause: str | None = None  # the failed child's innermost exception (Tracebacks.cause)
     _started: float = field(default_factory=time.perf_counter)
     startup: Startup | None = None
     _status_at: float = 0.0
@@ -253,6 +257,8 @@ class Console:
             self.refusal = self.tracebacks.refusal() if code != 0 else None
             failed_start = code != 0 and not self.steps and not interrupted  # Ray's start?
             self.start_failure = self.tracebacks.start_failure() if failed_start else None
+            failed = code != 0 and not self.refusal and not self.start_failure and not interrupted
+            self.cause = self.tracebacks.cause() if failed else None
             held = self.tracebacks.release()
             if (self.refusal or self.start_failure or interrupted) and not self.debug:
                 held = []  # in the log; the launcher tells the refusal / the stop in one line
@@ -282,11 +288,17 @@ class Console:
             self.log.write("held back (do not apply to this run):\n" + "".join(
                 f"  {n}x {self.shown[k]} ({why})\n" for (k, why), n in self.held.items()))  # fmt: skip
             self.say(held_back_line(len(self.held), self.device, self.log_path))
-        if held is not None:  # a failure that is not a refusal
+        if held is not None and not self.cause:  # a failure with no exception of its own
             self.say(f"the training job exited with status {code}; the log ends with:")
             ending = [clean(raw) for raw in held] if len(held) > len(self.tail) else self.tail
-            self.say(*(f"  {line}" for line in ending))
+            self.say(*(f"  {line}" for line in ending if not line.startswith(HYDRA_HINT)))
         self.say(f"log: {self.log_path}")
+
+    def failure_line(self, code: int) -> str:
+        """The launcher's error line for a training child that failed: its status, the
+        innermost exception of its traceback (the cause) and where the whole log is."""
+        cause = f": {self.cause}" if self.cause else ""
+        return f"error: verl's trainer exited with status {code}{cause} (log: {self.log_path})"
 
     def next_attempt(self, note: str) -> None:
         """The same command is run again (recipes.dapo.cluster.ray_start): `note` on the console and in

@@ -12,6 +12,9 @@ the console too with --debug); otherwise the console shows them, and so it does 
 child outlives them by HOLD_S (a traceback it logged and survived).
 A failed start of the embedded Ray (`start_failure`, Ray's own words in RAY_START_FAILURES) is
 told apart the same way: recipes.dapo.cluster.ray_start retries it.
+Any other failure: `cause()` is the innermost exception of that traceback (a Ray worker's
+error inside the driver's RayTaskError, the root of a chained one) as `Type: message` on one
+line, which the launcher's error line carries.
 """
 
 import re
@@ -33,6 +36,16 @@ RAY_START_FAILURES = (
     (re.compile(r"^RuntimeError: Timed out waiting for file \S*gcs_server_port"), "timed out"),
     (re.compile(r"^RuntimeError: Failed to start GCS"), "failed (its GCS did not start)"),
 )
+# an exception's own line: `pkg.mod.Type: message` or a bare `...Error: message`
+EXCEPTION = re.compile(
+    r"^((?:[A-Za-z_]\w*\.)+[A-Z]\w*|[A-Z]\w*(?:Error|Exception|Exit|Interrupt)|Exception)"
+    r"(\(\w+\))?: (.+)$"
+)
+# Hydra's report of a config target that raised: `SomeError('message')` on a line of its own
+INSTANTIATED = re.compile(r"""^([A-Z]\w*(?:Error|Exception))\((['"])(.*)\2\)$""")
+RAY_WRAPPERS = ("RayTaskError", "RayActorError", "ActorDiedError", "ActorUnavailableError")
+CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+CAUSE_CHARS = 240  # the cause as the error line shows it
 _PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\w+ pid=\d+[^)]*\)|\[rank\d+\]:)(\x1b\[[0-9;]*m)* ?")
 
 
@@ -60,6 +73,26 @@ def refusal_in(lines) -> str | None:
             if text.startswith(prefix):
                 found = text[len(prefix) :]
     return found
+
+
+def cause_in(lines) -> str | None:
+    """`Type: message` of the innermost exception in `lines` (a traceback as printed, Ray's
+    worker prefixes and all): the root of a chain (before its first "direct cause" / "during
+    handling" line), else the last one that is not Ray's wrapper of a worker's error;
+    shortened to CAUSE_CHARS."""
+    text = [_PREFIX.sub("", line).strip() for line in lines]
+    found = [
+        (i, f"{m[1]}: {m[3]}")
+        for i, line in enumerate(text)
+        if (m := EXCEPTION.match(line) or INSTANTIATED.match(line))
+        and not m[1].endswith(RAY_WRAPPERS)
+    ]
+    chain = next((i for i, line in enumerate(text) if line.startswith(CHAINED)), None)
+    rooted = [f for f in found if chain is not None and f[0] < chain]
+    if not (rooted or found):
+        return None
+    cause = (rooted or found)[-1][1]
+    return cause if len(cause) <= CAUSE_CHARS else cause[: CAUSE_CHARS - 3] + "..."
 
 
 def start_failure_in(lines) -> str | None:
@@ -106,6 +139,10 @@ class Tracebacks:
     def refusal(self) -> str | None:
         """The refusal the last traceback ends with (asked once the child has failed)."""
         return refusal_in(self.last) if self.last else None
+
+    def cause(self) -> str | None:
+        """The innermost exception the last traceback names (asked once the child failed)."""
+        return cause_in(self.last) if self.last else None
 
     def start_failure(self) -> str | None:
         """How Ray's start failed, if the last traceback says so (asked once the child failed)."""
