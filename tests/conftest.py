@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny and the mini random Qwen3-MoE checkpoints and a world-size-1
 megatron setup; the no_mcore mark's order and check."""
 
+import os
 import sys
 
 import pytest
@@ -43,6 +44,21 @@ def mini_run(tmp_path_factory):
                   overrides=("trainer.save_freq=1", *MINI_OVERRIDES))  # fmt: skip
     assert proc.returncode == 0
     return out, proc
+
+
+@pytest.fixture(scope="module")
+def dev_shm_unchanged():
+    """The module's runs leave nothing in /dev/shm: every multiprocessing segment and
+    semaphore they made is gone when it ends (the run's reaper, a node's --stop)."""
+    from recipes.dapo.cluster.reaper import LEAKED
+
+    def leak_kinds() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(LEAKED)}
+
+    before = leak_kinds()
+    yield
+    left = leak_kinds() - before
+    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture(scope="session")

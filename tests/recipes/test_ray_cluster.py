@@ -32,7 +32,11 @@ from tests.recipes.test_verl_cpu_trainer import (  # as the other launches
     SYNC_TOLERANCE,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.trainer_flow,
+    pytest.mark.usefixtures("dev_shm_unchanged"),
+]
 REPO = Path(__file__).resolve().parents[2]
 KILL_PHASE = os.environ.get("MCORE_KILL_PHASE", "update")  # or rollout
 # from the kill to the launcher's exit, at most: Ray's verdict (5 missed health checks 3 s

@@ -194,3 +194,43 @@ def test_ray_and_torch_keep_their_dirs_beside_the_runs_temp_dir(monkeypatch, tmp
         monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
         expected = {"RAY_TMPDIR": get_default_system_temp_dir()}
         assert kept_dirs() == {**expected, "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+
+
+LEAKER = """
+import os, signal, sys
+from multiprocessing import get_context, resource_tracker, shared_memory
+segment = shared_memory.SharedMemory(create=True, size=1 << 16)
+lock = get_context("spawn").Lock()  # a named semaphore, /dev/shm/sem.mp-*, while it lives
+print(segment.name, flush=True)
+# a kill of the whole group: the resource tracker that would unlink both goes first
+os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_what_a_killed_process_leaked_in_dev_shm_is_removed_and_nothing_else():
+    """Catches the leftovers a new user found after a few runs (issue 58: psm_* of killed vLLM
+    engines, sem.mp-* semaphores): a process that made a segment and a semaphore and died
+    between two of the reaper's samples. Made since `since` and mapped by no one: removed;
+    a segment this process still maps, and one older than `since`: kept."""
+    from recipes.dapo.cluster.reaper import remove_unowned
+
+    shm = Path("/dev/shm")
+    older = shared_memory.SharedMemory(create=True, size=4096)
+    resource_tracker.unregister(older._name, "shared_memory")  # left as a leak would be
+    older.close()
+    time.sleep(0.05)
+    since, before = time.time(), set(os.listdir(shm))
+    held = shared_memory.SharedMemory(create=True, size=4096)  # mapped here: in use
+    try:
+        out = subprocess.run([sys.executable, "-c", LEAKER], capture_output=True, text=True)
+        leaked = set(os.listdir(shm)) - before - {held.name}
+        assert out.stdout.strip() in leaked and any(n.startswith("sem.mp-") for n in leaked)
+        count, size = remove_unowned(since)
+        assert count == len(leaked) and size >= 1 << 16
+        assert not leaked & set(os.listdir(shm))
+        assert (shm / held.name).exists() and (shm / older.name).exists()
+    finally:
+        held.close()
+        held.unlink()
+        (shm / older.name).unlink(missing_ok=True)

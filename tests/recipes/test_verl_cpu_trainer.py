@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.trainer_flow,
+    pytest.mark.usefixtures("dev_shm_unchanged"),
+]  # 0.16.1 set only (pyproject.toml)
 REPO = Path(__file__).resolve().parents[2]
 SYNC_TOLERANCE = 1e-4  # rollout (vLLM) vs actor (megatron-core) log-probs, fp32
 FP32_ROLLOUT = "actor_rollout_ref.rollout.dtype=float32"

@@ -6,7 +6,8 @@ platform) is set here as well as in the job's runtime env.
 
 `ray start --block` runs in the background in a session of its own: its pid and the
 cluster's address are kept in <temp-dir>/mcore_ray_<role>.json, and `--stop` ends that
-session's processes only. (Ray's own `ray stop` ends every Ray process of the machine: right
+session's processes only, then removes what they leaked in /dev/shm (multiprocessing's
+segments and semaphores made since the node started that no process maps). (Ray's own `ray stop` ends every Ray process of the machine: right
 on a cluster node, wrong on a machine that other Ray runs share.) Several nodes on one machine,
 as `--device cpu` rehearses the cluster path on one box, each need their own --temp-dir
 (Ray's sockets, logs and address file live there); their other ports are chosen free.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from backend.shared.cli_contract import OneLineParser, parse_or_exit_code, run_cli
 from recipes.dapo.cluster import ray_job
+from recipes.dapo.cluster.reaper import remove_unowned
 from recipes.dapo.errors import LaunchError
 
 START_TIMEOUT_S = 240
@@ -244,8 +246,14 @@ def stop(args) -> int:
         return 0
     stop_session(state["pid"])
     path.unlink(missing_ok=True)
+    # what the node's processes leaked in /dev/shm (a killed vLLM engine's message queues):
+    # made since the node started, mapped by no process now (recipes.dapo.cluster.reaper)
+    count, size = remove_unowned(state.get("created") or time.time())
     of = state["address"] or "a cluster it had not joined yet"
-    print(f"stopped the Ray {args.role} of {of} (pid {state['pid']} and its processes)")
+    leaked = (
+        f"; removed {count} leaked shared-memory files ({size / 2**20:.0f} MiB)" if count else ""
+    )
+    print(f"stopped the Ray {args.role} of {of} (pid {state['pid']} and its processes){leaked}")
     return 0
 
 

@@ -17,6 +17,11 @@ temp dir. What it takes for the run's, each provably:
   processes are ended); removed only while it is the same file (inode) and no live process maps
   it. Its creation time or owner would not tell it from another run's on the same machine, nor
   from one some other program leaked.
+- a leaked one of the kinds the run's libraries make (LEAKED: multiprocessing's psm_* segments
+  and sem.mp-* semaphores) that no process maps any longer, created since the run started:
+  what a process made and died with between two samples (a killed vLLM engine, a
+  multiprocessing helper whose resource tracker went with it). Another run's, still in use,
+  is mapped, and so kept (`remove_unowned`; ray_node's --stop does the same for a node).
 - a temp file: everything in the run's own temp dir, the training child's TMPDIR (vLLM's
   vllm_dist_* file stores and ZMQ sockets, verl's checkpoint locks, multiprocessing's pymp-*).
 Protocol: on stdin "reap" (end and remove now, then keep watching) or "exit" (the run is over);
@@ -42,6 +47,8 @@ SAMPLE_S = 5.0
 GRACE_S = 3.0  # after SIGTERM, before SIGKILL
 GIVE_UP_S = 6.0  # after SIGTERM: a process left then (uninterruptible) is reported, not waited on
 SHM = b"/dev/shm/"
+SHM_DIR = Path("/dev/shm")
+LEAKED = ("psm_", "sem.mp-")  # multiprocessing's shared memory and named semaphores
 
 
 def process_table() -> dict[int, tuple[int, int, str]]:
@@ -90,6 +97,7 @@ class Run:
         self.spared = spared  # the reaper and the launcher: never the run's
         self.known: dict[int, int] = {}  # pid -> start time
         self.segments: dict[str, int] = {}  # path -> inode
+        self.started = time.time()  # what the run may have leaked is newer
 
     def scan(self) -> dict[int, tuple[int, int, str]]:
         """Record the run's processes now (those known and still the same, those carrying the
@@ -145,22 +153,55 @@ class Run:
         (files, bytes) removed."""
         if not self.segments:
             return 0, 0
-        in_use: set[str] = set()
-        for pid in process_table():
-            in_use.update(mapped_shm(pid))
+        mapped = in_use()
         count = size = 0
         for path, inode in list(self.segments.items()):
             try:
                 st = os.stat(path)
                 if st.st_ino != inode:  # gone, and the name taken by a new file
                     del self.segments[path]
-                elif path not in in_use:
+                elif path not in mapped:
                     os.unlink(path)
                     del self.segments[path]
                     count, size = count + 1, size + st.st_size
             except FileNotFoundError:  # its owner removed it
                 del self.segments[path]
         return count, size
+
+
+def in_use() -> set[str]:
+    """Every /dev/shm path a live process maps now."""
+    found: set[str] = set()
+    for pid in process_table():
+        found.update(mapped_shm(pid))
+    return found
+
+
+def remove_unowned(since: float, shm: Path = SHM_DIR) -> tuple[int, int]:
+    """Remove the LEAKED files of `shm` created at or after `since` (time.time()) that no live
+    process maps; (files, bytes) removed."""
+    candidates = []
+    for path in shm.glob("*"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if path.name.startswith(LEAKED) and st.st_ctime >= since:
+            candidates.append((path, st))
+    if not candidates:
+        return 0, 0
+    mapped = in_use()
+    count = size = 0
+    for path, st in candidates:
+        if str(path) in mapped:
+            continue
+        try:
+            if path.stat().st_ino == st.st_ino:
+                path.unlink()
+                count, size = count + 1, size + st.st_size
+        except FileNotFoundError:
+            continue
+    return count, size
 
 
 def _signal(pid: int, start: int, sig: int) -> None:
@@ -184,6 +225,8 @@ def reap(run: Run, tmp: Path) -> str:
     saying what was done."""
     ended, killed, left = run.end()
     count, size = run.remove_segments()
+    leaked, leaked_size = remove_unowned(run.started)
+    count, size = count + leaked, size + leaked_size
     files = sum(1 for _ in tmp.rglob("*")) if tmp.is_dir() else 0
     shutil.rmtree(tmp, ignore_errors=True)
     line = (
