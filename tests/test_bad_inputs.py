@@ -4,11 +4,13 @@ no output and no side effect left; docs/bad_inputs.md is the table of exactly th
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.bad_inputs import CASES, Case, Ctx, table
+from tests.support.bad_inputs_model import BROKEN_MODEL_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -69,12 +71,15 @@ def test_bad_input(case: Case, sources, tmp_path, capsys, monkeypatch):
             ray_job, "run_command", lambda cmd, env, *a, **kw: real_run(child, env, *a, **kw)
         )
     capsys.readouterr()
+    started = time.perf_counter()
     try:
         code = _main(case.cli)(argv)
     finally:
         getattr(ctx, "release", lambda: None)()
     out, err = capsys.readouterr()
     assert code == case.code, (out, err)
+    if case in BROKEN_MODEL_DIR:  # headers and config only: seconds, before Ray
+        assert time.perf_counter() - started < 15.0
     pattern = _pattern(case.message, ctx)
     if case.stream == "err":
         assert err.count("\n") == 1 and pattern.fullmatch(err.rstrip("\n")), err

@@ -82,6 +82,8 @@ class ModelFamily:
     # (spec, vocab or None) -> ParamCounts; built transformers model -> (total, active)
     param_counts: Callable[[Any, int | None], ParamCounts]
     hf_param_counts: Callable[[Any], tuple[int, int]]
+    # (spec, fused) -> {HF tensor name: shape} the config implies (hub or fused layout)
+    hf_shapes: Callable[..., dict[str, tuple[int, ...]]]
 
     def load_spec(self, source: Any) -> Any:
         return self.spec_from_config(read_config(source))

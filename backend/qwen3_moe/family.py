@@ -21,4 +21,5 @@ FAMILY = ModelFamily(
     has_fused_hf=mapping.has_fused_experts,
     param_counts=params.param_counts,
     hf_param_counts=params.hf_param_counts,
+    hf_shapes=params.hf_shapes,
 )

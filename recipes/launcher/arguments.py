@@ -14,6 +14,7 @@ DESCRIPTION = (
     "Resolve and launch the DAPO run (scripts/train_mcore.sh runs `python -m recipes.launcher`)."
 )
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
+CLUSTER_NODES, CLUSTER_DEVICES_PER_NODE = 4, 8  # --nodes, --devices-per-node
 CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
 LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps")
 LOCAL_OUT = "runs/local_dapo"  # the local run's directory without --ckpt-dir
@@ -38,9 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for dim in CLUSTER_PLAN:
         plan.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim} size")
-    plan.add_argument("--nodes", type=positive_int, default=4, help="nodes in the Ray cluster")
     plan.add_argument(
-        "--devices-per-node", type=positive_int, default=8, help="accelerators per node"
+        "--nodes", type=positive_int, default=None, help="nodes in the Ray cluster (default 4)"
+    )
+    plan.add_argument(
+        "--devices-per-node",
+        type=positive_int,
+        default=None,
+        help="accelerators per node (default 8); the local run takes both only with --ray-address",
     )
     p.add_argument(
         "--device",

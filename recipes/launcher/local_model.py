@@ -26,7 +26,6 @@ FLAG_HELP = (
     "or the dir of your own small HF Qwen3-MoE with its tokenizer and chat template "
     "(docs/cpu_run.md)"
 )
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -88,9 +87,10 @@ def _as_dir(flag: str) -> Path | None:
 
 
 def checked_dir(path: Path, label: str) -> LocalModel:
-    """The user's model directory: what verl's trainer and the rollout read, present."""
+    """The user's model directory: what verl's trainer and the rollout read, present and
+    matching its config.json (converters.hf_check: headers, tokenizer; nothing loaded)."""
     from backend.shared.errors import CheckpointError
-    from converters.hf_io import shard_files
+    from converters.hf_check import check_hf_dir
 
     fix = "pass the directory of a small HF Qwen3-MoE with its tokenizer, or --model tiny"
     if not (path / "config.json").is_file():
@@ -105,34 +105,7 @@ def checked_dir(path: Path, label: str) -> LocalModel:
             f"'qwen3_moe': the mcore_ep actor trains Qwen3-MoE models; {fix}"
         )
     try:
-        shard_files(path)
-    except CheckpointError:
-        raise LaunchError(
-            f"{label} has no safetensors weights (model.safetensors or "
-            "model.safetensors.index.json and its shards): save the model there with "
-            "save_pretrained(safe_serialization=True)"
-        ) from None
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise LaunchError(
-            f"{label} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the model's "
-            "tokenizer there (tokenizer.save_pretrained)"
-        )
-    if not _has_chat_template(path):
-        raise LaunchError(
-            f"{label} has no chat template (chat_template.jinja, or chat_template in "
-            "tokenizer_config.json), which verl's dataloader applies to every prompt: save "
-            "one with the tokenizer (tokenizer.chat_template = ...; save_pretrained)"
-        )
+        check_hf_dir(path, label)
+    except CheckpointError as e:
+        raise LaunchError(str(e)) from None
     return LocalModel(str(path), path.absolute(), config, False)
-
-
-def _has_chat_template(path: Path) -> bool:
-    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
-        return True
-    tokenizer_config = path / "tokenizer_config.json"
-    if not tokenizer_config.is_file():
-        return False
-    try:
-        return bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
-    except json.JSONDecodeError:
-        return False

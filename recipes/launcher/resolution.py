@@ -78,13 +78,10 @@ def resolve(spec: RunSpec) -> Resolved:
     skew = _assumed_skew(spec.skew_from, plan.ep)
     rollout_tp = overrides.DAPO["rollout_tp"]
     fit = fit_rollout(spec.model_fit, device, overrides.MICRO_BATCH_TOKENS, rollout_tp, skew.value)
-    if not spec.dry_run:  # what only a real launch needs
+    if not spec.dry_run and device == "npu":  # what only a real launch needs
         from backend.platform.optional import require
-        from converters.hf_io import shard_files
 
-        shard_files(spec.model_dir)  # raises CheckpointError naming what is missing
-        if device == "npu":
-            require("torch_npu", "--device npu")
+        require("torch_npu", "--device npu")
     ckpt_dir = spec.ckpt_dir or Path("<ckpt-dir>")
     env = {**ray_job.job_env(device, spec.ifname), "TENSORBOARD_DIR": str(ckpt_dir / "tensorboard")}
     run = overrides.JobSpec(

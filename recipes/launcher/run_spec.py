@@ -20,7 +20,15 @@ from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import actors, overrides, trainer_modes
 from recipes.dapo.job.trainer_modes import Split
 from recipes.launcher import local_model
-from recipes.launcher.arguments import CLUSTER_ONLY, CLUSTER_PLAN, LOCAL_ONLY, LOCAL_OUT, split_argv
+from recipes.launcher.arguments import (
+    CLUSTER_DEVICES_PER_NODE,
+    CLUSTER_NODES,
+    CLUSTER_ONLY,
+    CLUSTER_PLAN,
+    LOCAL_ONLY,
+    LOCAL_OUT,
+    split_argv,
+)
 from recipes.launcher.local_model import LocalModel
 
 
@@ -103,14 +111,15 @@ def _cluster(args, device: str, extra: list[str]) -> RunSpec:
     _check_engine(args, dims)
     model = _model_dir(args.model) if args.model else None
     spec = load_spec(str(model) if model else None)
-    split = trainer_modes.split(args.trainer_mode, args.nodes, args.devices_per_node)
-    fit = plan_for_model(spec, split.trainer_nodes, args.devices_per_node, **dims)
+    nodes, per_node = _cluster_layout(args)
+    split = trainer_modes.split(args.trainer_mode, nodes, per_node)
+    fit = plan_for_model(spec, split.trainer_nodes, per_node, **dims)
     rollout_tp = overrides.DAPO["rollout_tp"]
     if fit.plan.world % rollout_tp:
         raise PlanError(
             f"{fit.plan.world} devices do not split into vLLM engines of TP {rollout_tp}"
         )
-    return _spec(args, extra, device, split, fit, model_dir=model, local=None, out=None)
+    return _spec(args, extra, device, split, fit, per_node, model_dir=model, local=None, out=None)
 
 
 def _local(args, extra: list[str]) -> RunSpec:
@@ -133,12 +142,20 @@ def _local(args, extra: list[str]) -> RunSpec:
             "drop it, or add --model mini"
         )
     embedded = not args.ray_address  # the local run's own Ray, or a running cluster
-    split = trainer_modes.split(args.trainer_mode, args.nodes, args.devices_per_node, embedded)
-    fit = model_fit(model.config, *_local_layout(args, split.trainer_nodes, dims), **dims)
-    return _spec(args, extra, "cpu", split, fit, model_dir=None, local=model, out=out)
+    if embedded and (args.nodes or args.devices_per_node):
+        raise LaunchError(
+            "--nodes and --devices-per-node describe a running Ray cluster, which the embedded "
+            "run does not use (its ranks are this machine's processes, as many as --tp, --ep "
+            "and --pp need): drop them, or add --ray-address HEAD_IP:PORT"
+        )
+    nodes, per_node = _cluster_layout(args) if not embedded else (1, 1)
+    split = trainer_modes.split(args.trainer_mode, nodes, per_node, embedded)
+    layout = (nodes, per_node) if not embedded else _embedded_layout(dims)
+    fit = model_fit(model.config, *layout, **dims)
+    return _spec(args, extra, "cpu", split, fit, per_node, model_dir=None, local=model, out=out)
 
 
-def _spec(args, extra, device, split, fit, **where) -> RunSpec:
+def _spec(args, extra, device, split, fit, per_node, **where) -> RunSpec:
     ckpt = Path(args.ckpt_dir).expanduser() if args.ckpt_dir and device != "cpu" else None
     path = lambda value: Path(value).expanduser() if value else None  # noqa: E731
     return RunSpec(
@@ -147,7 +164,7 @@ def _spec(args, extra, device, split, fit, **where) -> RunSpec:
         val_file=path(args.val_file), ifname=args.ifname, ray_address=args.ray_address,
         skew_from=args.skew_from, steps=args.steps, seed=args.seed,
         warmup_steps=args.warmup_steps, resume=args.resume, dry_run=args.dry_run,
-        verbose=args.verbose, debug=args.debug, devices_per_node=args.devices_per_node,
+        verbose=args.verbose, debug=args.debug, devices_per_node=per_node,
         extra=tuple(extra), **where,
     )  # fmt: skip
 
@@ -168,17 +185,29 @@ def _require(args, *names: str) -> None:
 
 
 def _model_dir(path: str) -> Path:
+    """--model of a cluster run: its config.json, weights and tokenizer agree, from the files'
+    headers (converters.hf_check: seconds, also at 61 GB), before Ray or a queue slot."""
+    from backend.shared.errors import CheckpointError
+    from converters.hf_check import check_hf_dir
+
     model = Path(path).expanduser()
     if not (model / "config.json").is_file():
         raise LaunchError(
             f"--model {model} has no config.json: pass the HF checkpoint dir of Qwen3-30B-A3B"
         )
+    try:
+        check_hf_dir(model, f"--model {model}")
+    except CheckpointError as e:
+        raise LaunchError(str(e)) from None
     return model
 
 
-def _local_layout(args, nodes: int, dims: dict) -> tuple[int, int]:
-    """(nodes, ranks per node): the cluster's trainer nodes with --ray-address; else one node
-    of the smallest dp that lets the experts fold over the ranks."""
-    if args.ray_address:
-        return nodes, args.devices_per_node
+def _cluster_layout(args) -> tuple[int, int]:
+    """(nodes, devices per node) of a running cluster: the flags, else 4 x 8."""
+    return args.nodes or CLUSTER_NODES, args.devices_per_node or CLUSTER_DEVICES_PER_NODE
+
+
+def _embedded_layout(dims: dict) -> tuple[int, int]:
+    """The embedded run's one node: the smallest dp that lets the experts fold over its
+    ranks."""
     return 1, math.lcm(dims["tp"] * dims["cp"], dims["etp"] * dims["ep"]) * dims["pp"]

@@ -18,6 +18,8 @@ from parallel.models import QWEN3_30B_A3B
 from recipes.dapo.cluster import lost_node, ray_job
 from recipes.dapo.job import overrides
 from recipes.launcher import launch, resolution, run_spec, stack
+from tests.support import model_dirs
+from tests.support.model_dirs import header_only
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -26,10 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def files(tmp_path):
-    """A Qwen3-30B-A3B config dir (weights only where a test adds them) and DAPO-schema parquet."""
-    model = tmp_path / "Qwen3-30B-A3B"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    """A header-only stand-in of Qwen3-30B-A3B (its 61 GB of shards sparse: the launcher reads
+    headers only) and DAPO-schema parquet."""
+    model = header_only(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
     table = pa.table(
         {
             "data_source": ["math_dapo"],
@@ -349,15 +350,31 @@ def test_data_sources_are_checked_against_the_configured_reward(files, nothing_s
     assert nothing_starts == []
 
 
-def test_model_without_weights_fails_a_real_launch(files, nothing_starts, capsys):
-    _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "no model.safetensors")
+def test_a_broken_model_dir_is_refused_before_anything_starts(files, nothing_starts, capsys):
+    """The cluster's --model checked from its headers, in a dry run too: weights gone, a config
+    edited after the save (96 experts against 128), a truncated shard; each one line."""
+    model = files["--model"]
+    dry = argv(files, "--device", "cuda", "--dry-run")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_experts": 96}))
+    _fails_with_one_line(
+        capsys, dry, "holds model.layers.0.mlp.experts.96.gate_proj.weight (and 4607 more)",
+        "num_experts 96", "does config.json match the weights?",
+    )  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    shard = model / "model-00007-of-00016.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    _fails_with_one_line(capsys, dry, "model-00007-of-00016.safetensors is unreadable or truncated")
+    for path in model.glob("model*.safetensors*"):
+        path.unlink()
+    _fails_with_one_line(capsys, argv(files, "--device", "cuda"), "has no safetensors weights")
     assert nothing_starts == []
 
 
 def test_npu_without_torch_npu_fails_before_anything_starts(files, nothing_starts, capsys):
     if importlib.util.find_spec("torch_npu"):
         pytest.skip("torch_npu is installed here")
-    (files["--model"] / "model.safetensors").write_bytes(b"")
     _fails_with_one_line(capsys, argv(files, "--device", "npu"), "torch_npu", "install")
     assert nothing_starts == []
 
@@ -367,7 +384,6 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     `ray` and a `python` (sys.executable) that log their calls. The real check_ray reads the
     real `ray status` call; the real run_command starts the real command line in the repo with
     the job environment and returns the child's status."""
-    (files["--model"] / "model.safetensors").write_bytes(b"")
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
     record = (
@@ -497,10 +513,11 @@ def test_a_model_beyond_the_cpu_rollouts_limits_is_refused_in_one_line(
     monkeypatch.setattr(ray_job, "run_command", lambda *a, **k: pytest.fail("started"))
     hf_dir, _ = local_run.prepare(tmp_path / "run")
     capsys.readouterr()
-    user = tmp_path / "user_model"
-    shutil.copytree(hf_dir, user)
-    config = json.loads((user / "config.json").read_text())
-    (user / "config.json").write_text(json.dumps({**config, **change}))
+    user = tmp_path / "user_model"  # the built tiny model with the change, weights to match
+    base = json.loads((hf_dir / "config.json").read_text())
+    model_dirs.built(user, change, base={k: v for k, v in base.items() if k != "dtype"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(hf_dir / name, user / name)
     argv = ["--ckpt-dir", str(tmp_path / "run"), "--", f"actor_rollout_ref.model.path={user}"]
     _fails_with_one_line(capsys, argv, message)
 

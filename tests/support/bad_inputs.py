@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from tests.support.bad_input_case import Case, Ctx
-from tests.support.bad_inputs_model import LOCAL_MODEL
+from tests.support.bad_inputs_model import BROKEN_MODEL_DIR, LOCAL_MODEL
 
 
 def _m2h(ckpt, ctx: Ctx, *flags) -> list:
@@ -555,6 +555,15 @@ PLANNER = [
     ),
     Case(
         "launcher",
+        "local run: --nodes without --ray-address (the embedded run takes no nodes)",
+        lambda c: ["--device", "cpu", "--dry-run", "--nodes", "2", "--ckpt-dir", c.tmp / "out"],
+        2,
+        "error: --nodes and --devices-per-node describe a running Ray cluster, which the embedded "
+        "run does not use (its ranks are this machine's processes, as many as --tp, --ep and "
+        "--pp need): drop them, or add --ray-address HEAD_IP:PORT",
+    ),
+    Case(
+        "launcher",
         "local-only flags on a cluster dry run",
         lambda c: ["--device", "cuda", "--dry-run", "--steps", "3", "--resume"],
         2,
@@ -972,7 +981,7 @@ RAY_NODE = [
     ),
 ]
 
-CASES = CONVERTERS + PLANNER + LOCAL_MODEL + RAY_NODE + MONITOR + RESOLVE
+CASES = CONVERTERS + PLANNER + LOCAL_MODEL + BROKEN_MODEL_DIR + RAY_NODE + MONITOR + RESOLVE
 HEADER = """# Bad inputs tried per CLI
 
 Every row is a test (`tests/test_bad_inputs.py`, generated from `tests/support/bad_inputs.py`): the
