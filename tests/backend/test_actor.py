@@ -80,3 +80,27 @@ def test_tp2xep2_gradients_and_norm_match_world1(world1, tiny_hf_dir):
     assert results[0]["grads"].keys() == ref.keys()
     for name, value in results[0]["grads"].items():
         torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# Qwen3-30B-A3B's routing (128 experts, top-8) and GQA 8:1 at 4 KV heads (so tp 4 divides them)
+MISSION_SHAPE = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=16, num_experts=128,
+                     num_experts_per_tok=8, vocab_size=64)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_missions_plan_tp4_ep8_at_world_8_matches_world1(world1, tmp_path):
+    """tp4 x ep8 (dp 2, edp 1) on 8 gloo ranks, one clipped AdamW step of the actor on a
+    random 2-layer Qwen3-MoE at the mission's routing: the grad norm and every full gradient
+    equal world 1's. Catches experts permuted across EP ranks, TP shards concatenated in the
+    wrong order, or the wrong group's gradients reduced, at the plan the cluster runs."""
+    from tests.support.model_dirs import built
+
+    hf_dir = built(tmp_path / "mission_shape", MISSION_SHAPE)
+    metrics, _, model = _world1_step(world1, hf_dir, MAX_NORM)
+    results = run_ranks(run_actor_step, 8, str(hf_dir), 4, 8, MAX_NORM)
+    for r in results:
+        assert r["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert results[0]["grads"].keys() == ref.keys()
+    for name, value in results[0]["grads"].items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=name)
