@@ -288,7 +288,7 @@ class Console:
             self.log.write("held back (do not apply to this run):\n" + "".join(
                 f"  {n}x {self.shown[k]} ({why})\n" for (k, why), n in self.held.items()))  # fmt: skip
             self.say(held_back_line(len(self.held), self.device, self.log_path))
-        if held is not None and not self.cause:  # a failure with no exception of its own
+        if held is not None:  # a failure that is not a refusal: the end of its log
             self.say(f"the training job exited with status {code}; the log ends with:")
             ending = [clean(raw) for raw in held] if len(held) > len(self.tail) else self.tail
             self.say(*(f"  {line}" for line in ending if not line.startswith(HYDRA_HINT)))
