@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-steps",
         type=positive_int,
         default=None,
-        help="SFT steps of the mini model's warm-up before RL, made once per --ckpt-dir "
-        f"(default {WARMUP['steps']}; docs/mini_task.md)",
+        help="SFT steps of the mini model's warm-up before RL, made once and kept in a cache "
+        f"beside the run directories (default {WARMUP['steps']}; docs/mini_task.md)",
     )
     local.add_argument(
         "--resume",

@@ -2,7 +2,8 @@
 
 RL from random weights cannot earn a binary reward on the sums task (recipes.local.task.sums),
 so the local run starts from a policy that speaks its format: a short SFT on the task's
-worked answers, made once per run directory. verl's SFT trainer builds its engine through
+worked answers, made once for its content (recipes.local.warmup_cache: a new run directory
+reuses an identical one, checked byte for byte). verl's SFT trainer builds its engine through
 TrainingWorker -> EngineRegistry, the registry that finds `mcore_ep` for RL: this module only
 composes its config (verl's sft_trainer_engine.yaml with our engine section in place of the
 FSDP one) and runs it on torchrun's ranks; the checkpoint it saves is our engine's, which
@@ -87,12 +88,23 @@ class WarmupError(RuntimeError):
 def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
             say=print) -> Path:  # fmt: skip
     """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (converters write
-    it whole or not at all: a killed warm-up is never taken for a model). verl's SFT trainer
+    it whole or not at all: a killed warm-up is never taken for a model), or the identical one
+    from the cache (recipes.local.warmup_cache), which keeps each one made. verl's SFT trainer
     runs on one rank of our engine; its whole output goes to
     <out>/warmup/log.txt and `say` gets a progress line every PROGRESS_EVERY_S seconds."""
+    from recipes.local import warmup_cache
+
     final = warmed_dir(out)
     if (final / "tokenizer.json").is_file():
         return final
+    root = warmup_cache.cache_root(out)
+    ready = base.is_dir() and sft_data.is_file()  # else the trainer says what is missing
+    key = warmup_cache.warmup_key(base, sft_data, steps, WARMUP) if ready else None
+    cached = warmup_cache.lookup(root, key, say) if key else None
+    if cached is not None:
+        say(f"warm-up: reused {cached} (the same model, corpus, steps and code; "
+            f"rm -r {root} clears the cache)")  # fmt: skip
+        return warmup_cache.copy_out(cached, final)
     work = out / WORK_DIR
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -120,6 +132,7 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
         except RuntimeError as e:
             raise WarmupError(f"{e}: see {log}") from None
     say(_progress(metrics, steps, time.perf_counter() - t0, done=True))
+    say(f"warm-up: kept in {warmup_cache.keep(root, key, final)} for the next run")
     return final
 
 

@@ -90,7 +90,8 @@ def test_the_warm_up_trained_our_engine_and_rl_started_from_its_export(mini_run)
         in (out / "logs" / "launch_000.log").read_text()
     )
     shown = [line for line in proc.stdout.splitlines() if line.startswith("warm-up: ")]
-    assert shown[0].startswith("warm-up: 20 SFT steps") and shown[-1].startswith("warm-up: done")
+    assert shown[0].startswith("warm-up: 20 SFT steps") and shown[-2].startswith("warm-up: done")
+    assert shown[-1].startswith(f"warm-up: kept in {out.parent / '.warmup_cache'}/")
 
 
 def test_every_weight_sync_gives_the_rollout_the_actors_weights(mini_run):

@@ -56,3 +56,77 @@ def test_last_metrics_skips_a_torn_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1, "data": {"train/loss": 2.0}}\n{"step": 2, "da')
     assert last_metrics(path)["step"] == 1 and last_metrics(tmp_path / "none") == {}
+
+
+def _inputs(tmp_path):
+    """A base model directory and an SFT corpus, as files (the key reads their bytes)."""
+    base, corpus = tmp_path / "mini_hf", tmp_path / "sft.parquet"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    (base / "model.safetensors").write_bytes(b"weights")
+    corpus.write_bytes(b"corpus")
+    return base, corpus
+
+
+def test_the_warm_up_key_follows_everything_that_decides_it(tmp_path):
+    """Catches a cache that would hand one warm-up to another: a different seed (weights),
+    corpus, step count or setting gives another key; the same inputs the same key."""
+    from recipes.local.warmup import WARMUP
+    from recipes.local.warmup_cache import warmup_key
+
+    base, corpus = _inputs(tmp_path)
+    key = warmup_key(base, corpus, 200, WARMUP)
+    assert key == warmup_key(base, corpus, 200, dict(WARMUP)) and len(key) == 16
+    assert key != warmup_key(base, corpus, 201, WARMUP)
+    assert key != warmup_key(base, corpus, 200, {**WARMUP, "lr": 1e-3})
+    corpus.write_bytes(b"another corpus")
+    assert key != warmup_key(base, corpus, 200, WARMUP)
+    corpus.write_bytes(b"corpus")
+    (base / "model.safetensors").write_bytes(b"other weights")
+    assert key != warmup_key(base, corpus, 200, WARMUP)
+
+
+def test_a_new_run_directory_reuses_an_identical_warm_up(tmp_path):
+    """The issue-56 rerun: a second run directory with the same model, corpus and steps gets
+    the cached warm-up copied in (its bytes checked against the manifest), says so in one
+    line, and starts no trainer (its work directory is never made)."""
+    from recipes.local.warmup import WARMUP
+    from recipes.local.warmup_cache import cache_root, keep, warmup_key
+
+    base, corpus = _inputs(tmp_path)
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / "tokenizer.json").write_text('{"made": 1}')
+    (made / "model.safetensors").write_bytes(b"trained")
+    out = tmp_path / "runs" / "second"
+    out.mkdir(parents=True)
+    root = cache_root(out)
+    assert root == tmp_path / "runs" / ".warmup_cache"
+    keep(root, warmup_key(base, corpus, 200, WARMUP), made)
+    lines: list[str] = []
+    final = warm_up(out, base, corpus, steps=200, say=lines.append)
+    assert final == out / "sft_hf" and (final / "model.safetensors").read_bytes() == b"trained"
+    assert len(lines) == 1 and lines[0].startswith(f"warm-up: reused {root}/")
+    assert not (out / "warmup").exists()
+
+
+def test_a_damaged_cache_entry_is_made_again_never_trained_from(tmp_path):
+    """Catches a flipped byte in the cache reaching RL: the entry fails its manifest, is
+    removed with one line, and the warm-up runs again (here it fails: no real corpus, so the
+    trainer's own error shows that it ran)."""
+    from recipes.local.warmup import WARMUP
+    from recipes.local.warmup_cache import cache_root, keep, lookup, warmup_key
+
+    base, corpus = _inputs(tmp_path)
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / "model.safetensors").write_bytes(b"trained")
+    out = tmp_path / "runs" / "r"
+    out.mkdir(parents=True)
+    key = warmup_key(base, corpus, 200, WARMUP)
+    entry = keep(cache_root(out), key, made)
+    (entry / "model.safetensors").write_bytes(b"trainee")  # same size, other bytes
+    lines: list[str] = []
+    assert lookup(cache_root(out), key, lines.append) is None and not entry.exists()
+    assert len(lines) == 1 and "does not match its manifest" in lines[0]
+    assert lines[0].endswith("making it again")
