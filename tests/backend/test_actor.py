@@ -70,16 +70,22 @@ def test_micro_batch_split_gives_the_same_gradients(world1, tiny_hf_dir):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.slow
-def test_tp2xep2_gradients_and_norm_match_world1(world1, tiny_hf_dir):
-    metrics, _, model = _world1_step(world1, tiny_hf_dir, MAX_NORM)
-    results = run_ranks(run_actor_step, 4, str(tiny_hf_dir), 2, 2, MAX_NORM)
+def _plan_matches_world1(world1, hf_dir, world: int, tp: int, ep: int) -> None:
+    """One clipped step at tp x ep on `world` gloo ranks against world 1: the grad norm on
+    every rank, and every full (gathered) gradient."""
+    metrics, _, model = _world1_step(world1, hf_dir, MAX_NORM)
+    results = run_ranks(run_actor_step, world, str(hf_dir), tp, ep, MAX_NORM)
     for r in results:
         assert r["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
     ref = {n: p.grad for n, p in model.named_parameters()}
     assert results[0]["grads"].keys() == ref.keys()
     for name, value in results[0]["grads"].items():
         torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_tp2xep2_gradients_and_norm_match_world1(world1, tiny_hf_dir):
+    _plan_matches_world1(world1, tiny_hf_dir, 4, 2, 2)
 
 
 # Qwen3-30B-A3B's routing (128 experts, top-8) and GQA 8:1 at 4 KV heads (so tp 4 divides them)
@@ -95,12 +101,4 @@ def test_the_missions_plan_tp4_ep8_at_world_8_matches_world1(world1, tmp_path):
     wrong order, or the wrong group's gradients reduced, at the plan the cluster runs."""
     from tests.support.model_dirs import built
 
-    hf_dir = built(tmp_path / "mission_shape", MISSION_SHAPE)
-    metrics, _, model = _world1_step(world1, hf_dir, MAX_NORM)
-    results = run_ranks(run_actor_step, 8, str(hf_dir), 4, 8, MAX_NORM)
-    for r in results:
-        assert r["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
-    ref = {n: p.grad for n, p in model.named_parameters()}
-    assert results[0]["grads"].keys() == ref.keys()
-    for name, value in results[0]["grads"].items():
-        torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    _plan_matches_world1(world1, built(tmp_path / "mission_shape", MISSION_SHAPE), 8, 4, 8)
