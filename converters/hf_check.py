@@ -17,7 +17,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from backend.model.families import ConfigError, family_of, load_spec
+from backend.model.families import ConfigError, family_of, load_spec, read_config
 from backend.shared.errors import CheckpointError
 from converters.hf_io import INDEX, SINGLE
 from converters.hf_source import HFSource
@@ -28,18 +28,15 @@ FIX_WEIGHTS = "does config.json match the weights? save both with save_pretraine
 
 def check_hf_dir(root: Path, label: str) -> None:
     """Every check above, in order; `label` names the directory as the user gave it."""
-    spec = _spec(root, label)
-    source = _source(root, label)
-    check_tensors(source, spec, label)
-    check_dtypes(source, json.loads((root / "config.json").read_text()), label)
-    check_tokenizer(root, spec.vocab_size, label)
-
-
-def _spec(root: Path, label: str):
     try:
-        return load_spec(root)
+        config = read_config(root)
+        spec = load_spec(config)
     except ConfigError as e:
         raise CheckpointError(f"{label}: config.json: {e}") from None
+    source = _source(root, label)
+    check_tensors(source, spec, label)
+    check_dtypes(source, config, label)
+    check_tokenizer(root, spec.vocab_size, label)
 
 
 def _source(root: Path, label: str) -> HFSource:

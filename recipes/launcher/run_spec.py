@@ -27,7 +27,6 @@ from recipes.launcher.arguments import (
     CLUSTER_PLAN,
     LOCAL_ONLY,
     LOCAL_OUT,
-    split_argv,
 )
 from recipes.launcher.local_model import LocalModel
 
@@ -57,7 +56,6 @@ class RunSpec:
     dry_run: bool
     verbose: bool
     debug: bool
-    devices_per_node: int
     extra: tuple[str, ...]  # verl overrides after `--`
 
     @property
@@ -76,14 +74,6 @@ def from_args(args, extra: list[str]) -> RunSpec:
     if device == "cpu":
         return _local(args, extra)
     return _cluster(args, device, extra)
-
-
-def from_argv(argv: list[str]) -> RunSpec:
-    """The RunSpec of a launcher command line (argparse's errors raise SystemExit)."""
-    from recipes.launcher.arguments import build_parser
-
-    own, extra = split_argv(list(argv))
-    return from_args(build_parser().parse_args(own), extra)
 
 
 def pick_device(requested: str | None) -> str:
@@ -119,7 +109,7 @@ def _cluster(args, device: str, extra: list[str]) -> RunSpec:
         raise PlanError(
             f"{fit.plan.world} devices do not split into vLLM engines of TP {rollout_tp}"
         )
-    return _spec(args, extra, device, split, fit, per_node, model_dir=model, local=None, out=None)
+    return _spec(args, extra, device, split, fit, model_dir=model, local=None, out=None)
 
 
 def _local(args, extra: list[str]) -> RunSpec:
@@ -152,10 +142,10 @@ def _local(args, extra: list[str]) -> RunSpec:
     split = trainer_modes.split(args.trainer_mode, nodes, per_node, embedded)
     layout = (nodes, per_node) if not embedded else _embedded_layout(dims)
     fit = model_fit(model.config, *layout, **dims)
-    return _spec(args, extra, "cpu", split, fit, per_node, model_dir=None, local=model, out=out)
+    return _spec(args, extra, "cpu", split, fit, model_dir=None, local=model, out=out)
 
 
-def _spec(args, extra, device, split, fit, per_node, **where) -> RunSpec:
+def _spec(args, extra, device, split, fit, **where) -> RunSpec:
     ckpt = Path(args.ckpt_dir).expanduser() if args.ckpt_dir and device != "cpu" else None
     path = lambda value: Path(value).expanduser() if value else None  # noqa: E731
     return RunSpec(
@@ -164,7 +154,7 @@ def _spec(args, extra, device, split, fit, per_node, **where) -> RunSpec:
         val_file=path(args.val_file), ifname=args.ifname, ray_address=args.ray_address,
         skew_from=args.skew_from, steps=args.steps, seed=args.seed,
         warmup_steps=args.warmup_steps, resume=args.resume, dry_run=args.dry_run,
-        verbose=args.verbose, debug=args.debug, devices_per_node=per_node,
+        verbose=args.verbose, debug=args.debug,
         extra=tuple(extra), **where,
     )  # fmt: skip
 

@@ -13,8 +13,9 @@ import pytest
 
 from recipes.dapo.cluster import ray_job
 from recipes.dapo.job import overrides
-from recipes.launcher import launch, resolution, run_spec
+from recipes.launcher import launch, resolution
 from tests.support import oracles
+from tests.support.run_specs import spec_of
 
 pytestmark = pytest.mark.no_mcore
 
@@ -146,9 +147,7 @@ def test_plus_and_tilde_overrides_reach_verl_as_written(tmp_path, monkeypatch):
 
     extra = ["+trainer.note=1", "~trainer.total_epochs", "~trainer.val_before_train",
              "~actor_rollout_ref.actor.mcore_ep.packed"]  # fmt: skip
-    spec = run_spec.from_argv(
-        ["--device", "cpu", "--ckpt-dir", str(tmp_path), "--dry-run", "--", *extra]
-    )
+    spec = spec_of(["--device", "cpu", "--ckpt-dir", str(tmp_path), "--dry-run", "--", *extra])
     resolved = resolution.resolve_local(spec)
     cli = overrides.to_cli(resolved.groups)
     assert {"+trainer.note=1", "~trainer.total_epochs", "~trainer.val_before_train"} <= set(cli)

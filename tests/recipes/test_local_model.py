@@ -12,6 +12,7 @@ from recipes.dapo.cluster import ray_job
 from recipes.dapo.console import health_report
 from recipes.launcher import launch, resolution, run_spec
 from recipes.local import run as local_run
+from tests.support.run_specs import spec_of
 
 pytestmark = pytest.mark.no_mcore
 
@@ -27,7 +28,7 @@ def user_model(tmp_path_factory) -> Path:
 
 def _resolve(argv: list[str]):
     """The local run's resolution, its directory and its model (recipes.launcher.run_spec)."""
-    spec = run_spec.from_argv(["--device", "cpu", *argv])
+    spec = spec_of(["--device", "cpu", *argv])
     return resolution.resolve_local(spec), spec.out, spec.local
 
 

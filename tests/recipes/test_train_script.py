@@ -20,6 +20,7 @@ from recipes.dapo.job import overrides
 from recipes.launcher import launch, resolution, run_spec, stack
 from tests.support import model_dirs
 from tests.support.model_dirs import header_only
+from tests.support.run_specs import spec_of
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
@@ -212,7 +213,7 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
 
 def resolved(device, files, *extra):
     return resolution.resolve(
-        run_spec.from_argv(
+        spec_of(
             [*argv(files, "--device", device, "--tp", "4", "--ep", "8", "--ifname", "eth0",
                    "--dry-run"), "--", *extra]
         )
@@ -417,7 +418,7 @@ def test_launch_checks_ray_then_starts_verl_with_our_engine(files, monkeypatch, 
     exe, args, cwd, env = verl_call
     assert exe == "python" and args[:2] == ["-m", "verl.trainer.main_ppo"] and cwd == str(REPO)
     expected = resolution.resolve(
-        run_spec.from_argv([*argv(files, "--device", "cuda"), "--", "trainer.total_epochs=1"])
+        spec_of([*argv(files, "--device", "cuda"), "--", "trainer.total_epochs=1"])
     )
     assert args[2:] == overrides.to_cli(expected.groups)
     assert args[-1] == "trainer.total_epochs=1"
@@ -468,11 +469,11 @@ def test_cpu_on_a_running_cluster_takes_the_cluster_runs_ray_settings(tmp_path, 
     embedded run's own Ray, never a running cluster (address=local)."""
     monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
     base = ["--ep", "2", "--ckpt-dir", str(tmp_path), "--dry-run"]
-    on = run_spec.from_argv(
+    on = spec_of(
         ["--ray-address", "10.0.0.1:6380", "--nodes", "2", "--devices-per-node", "1", *base]
     )
     cluster_run = resolution.resolve_local(on)
-    embedded = resolution.resolve_local(run_spec.from_argv(base))
+    embedded = resolution.resolve_local(spec_of(base))
     plans = [(r.run.plan.nodes, r.run.plan.devices_per_node) for r in (cluster_run, embedded)]
     assert plans == [(2, 1), (1, 2)]
     init = "ray_kwargs.ray_init."
@@ -534,9 +535,7 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
     """--pp: the engine's pipeline size, the plan's pp groups, the memory model's stages; the
     local run folds pp into its world and refuses a pp its (mini) model cannot take."""
     run = resolution.resolve(
-        run_spec.from_argv(
-            argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run")
-        )
+        spec_of(argv(files, "--device", "cuda", "--tp", "4", "--ep", "4", "--pp", "2", "--dry-run"))
     )
     engine = "+actor_rollout_ref.actor.mcore_ep"
     assert flat(run.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"
@@ -549,7 +548,7 @@ def test_pp_reaches_the_engine_and_the_memory_model(files, monkeypatch, tmp_path
         peaks[pp] = float(re.search(r"actor update peak ([\d.]+) GiB", out)[1])
     assert peaks["2"] < peaks["1"]
     monkeypatch.setattr(run_spec, "pick_device", lambda requested: "cpu")
-    local = run_spec.from_argv(["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"])
+    local = spec_of(["--pp", "2", "--ckpt-dir", str(tmp_path), "--dry-run"])
     resolved_local = resolution.resolve_local(local)
     assert (resolved_local.run.plan.pp, resolved_local.run.plan.world) == (2, 2)
     assert flat(resolved_local.groups)[f"{engine}.pipeline_model_parallel_size"] == "2"

@@ -9,13 +9,14 @@ from recipes.dapo.console.screen import Console
 from recipes.dapo.console.step_line import LAG_LEGEND, lag_parts, step_line
 from recipes.dapo.errors import LaunchError
 from recipes.dapo.job import overrides, trainer_modes
-from recipes.launcher import launch, resolution, run_spec
+from recipes.launcher import launch, resolution
+from tests.support.run_specs import spec_of
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 
 
 def resolved(argv: list[str], extra: list[str] = ()):
-    spec = run_spec.from_argv([*argv, "--dry-run", "--", *extra])
+    spec = spec_of([*argv, "--dry-run", "--", *extra])
     return resolution.resolve_local(spec) if spec.is_local else resolution.resolve(spec)
 
 
