@@ -55,8 +55,9 @@ TINY_QWEN3_MOE = dict(
 )
 
 # The mini Qwen3-MoE (recipes/local/task/hf_checkpoints.py builds it with shape="mini"): Qwen3-30B-A3B's
-# routing at full count (128 experts, top-8, renormalised) and its attention's GQA 8:1 with
-# qk-norm, at a width CPUs train (4 layers: pp 2 and 4 divide them). Every size is one vLLM's
+# routing at full count (128 experts, top-8, renormalised) and its attention's heads (32 query,
+# 4 KV: GQA 8:1, so the mission's tp 4 divides them) with qk-norm, at a width CPUs train
+# (4 layers: pp 2 and 4 divide them). Every size is one vLLM's
 # CPU backend serves (recipes/local/cpu/rollout_limits.py: head_dim 32, hidden and expert slices
 # multiples of 32); the vocabulary and special ids are the toy task's character tokenizer's
 # (recipes/local/task/doubles.py: VOCAB_SIZE, <|endoftext|> 0, <|im_end|> 2; a test checks both).
@@ -66,8 +67,8 @@ MINI_QWEN3_MOE = dict(
     intermediate_size=384,  # dense MLP size as in the real model (3 x hidden); no layer uses it
     moe_intermediate_size=32,
     num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=2,
+    num_attention_heads=32,  # Qwen3-30B-A3B's 32 query / 4 KV heads: tp 1, 2 and 4 are legal
+    num_key_value_heads=4,
     head_dim=32,
     num_experts=128,
     num_experts_per_tok=8,

@@ -43,15 +43,15 @@ def model_fit(config: dict, nodes: int, per_node: int, **dims: int):
     return plan_for_model(load_qwen3_moe_spec(config), nodes, per_node, **dims)
 
 
-def check_rollout_model(model) -> None:
-    """The model the local run serves with vLLM's CPU backend (a local_model.LocalModel): its
-    limits, one line each; a tokenizer that does not load is one line too."""
+def check_rollout_model(model, rollout_tp: int) -> None:
+    """The model the local run serves with vLLM's CPU backend (a local_model.LocalModel) at
+    the run's rollout TP: its limits, one line each; a tokenizer that does not load is one
+    line too."""
     from recipes.local.cpu.rollout_limits import problems
-    from recipes.local.cpu_overrides import ROLLOUT_TP
 
     tokens = model.tokens if model.built else None  # a built one's tokenizer: the task's
     try:
-        found = problems(model.path, ROLLOUT_TP, config=model.config, tokens=tokens)
+        found = problems(model.path, rollout_tp, config=model.config, tokens=tokens)
     except (OSError, ValueError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise LaunchError(

@@ -158,7 +158,8 @@ def resolve_local(spec: RunSpec) -> Resolved:
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), list(spec.extra))
     check_mode(spec.trainer_mode, groups)
     groups = overrides.name_the_run(groups)
-    checks.check_rollout_model(model)
+    rollout_tp = overrides.value_of(groups, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    checks.check_rollout_model(model, int(rollout_tp))
     if spec.resume:
         checks.check_resume(groups, out)
     return Resolved(run, None, groups, replaced, model_line=model.describe())

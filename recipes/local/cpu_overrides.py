@@ -8,7 +8,19 @@ resume) is the cluster's.
 
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
-ROLLOUT_TP = 1
+# vLLM engines at most one per actor rank up to this world; a larger world gets two engines of
+# TP world / 2 (tp4 x ep8 at world 8: two of TP 4). Memory decides: a TP-1 engine is an API
+# server and an engine core (~0.9 + 0.5 GB), and each further TP rank a worker (~0.5 GB), so
+# eight TP-1 engines beside eight actor ranks and Ray (~3 GB) pass 24 GiB; two of TP 4 fit.
+ENGINE_PER_RANK_UP_TO = 4
+
+
+def rollout_tp(world: int) -> int:
+    """The embedded run's vLLM tensor parallel size (`-- {rollout}.tensor_model_parallel_size=N`
+    overrides it)."""
+    return 1 if world <= ENGINE_PER_RANK_UP_TO else world // 2
+
+
 # sized for 2 cores: short prompts and answers keep a step to seconds, most of it verl's
 # per-sample rollout path (timings: docs/cpu_run.md, "The toy task")
 TOY = dict(
@@ -81,9 +93,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{a}.optim.lr_warmup_steps": task["warmup_steps"],
         },
         "rollout": {
-            # one vLLM engine per actor rank (verl's replicas): the CPU MoE kernel pads expert
-            # slices to 32 on its first load, a layout later weight updates cannot load into
-            f"{r}.tensor_model_parallel_size": ROLLOUT_TP,
+            f"{r}.tensor_model_parallel_size": rollout_tp(world),
             f"{r}.enforce_eager": True,  # no CUDA graphs, no inductor compile on CPU
             f"+{r}.enable_sleep_mode": False,  # vLLM's sleep mode is CUDA/ROCm/XPU only
             f"{r}.free_cache_engine": False,  # (it would need sleep mode)

@@ -2,7 +2,8 @@
 # Step benchmark (scripts/bench/step_bench.py) on a one-GPU machine with torch and transformers
 # but no megatron-core, no verl and no internet: the presets 4L (with --breakdown) then 12L, then
 # packed vs padded micro-batches on the 4L layers (scripts/bench/packed_layers.py), each under a
-# timeout (240 + 165 + 120 s) so the whole script stays under ~10 minutes. JSON goes to
+# timeout (240 + 165 + 120 s; STEP_BENCH_T4L / STEP_BENCH_T12L / STEP_BENCH_TPACKED override
+# them, for a shorter lease) so the whole script stays under ~10 minutes. JSON goes to
 # ${OUT:-.}/step_4L.json and step_12L.json (rewritten after each system, so a timeout still
 # leaves the systems done so far) and packed_4L.json, logs to step_*.log / packed_4L.log there;
 # the JSON documents are printed at the end.
@@ -45,9 +46,9 @@ run_packed() {  # preset, timeout in seconds: packed vs padded forward + backwar
     tail -n 3 "$OUT_DIR/packed_$preset.log"  # the error, if it failed
 }
 
-run_preset 4L 240 --breakdown
-run_preset 12L 165
-run_packed 4L 120
+run_preset 4L "${STEP_BENCH_T4L:-240}" --breakdown
+run_preset 12L "${STEP_BENCH_T12L:-165}"
+run_packed 4L "${STEP_BENCH_TPACKED:-120}"
 
 for preset in 4L 12L; do
     echo "== $OUT_DIR/step_$preset.json"

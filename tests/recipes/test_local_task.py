@@ -54,12 +54,13 @@ def test_mini_checkpoint_with_the_tasks_tokenizer_is_one_vllms_cpu_backend_serve
     from backend.qwen3_moe import load_qwen3_moe_spec
     from converters.hf_io import read_state_dict
     from recipes.local.cpu.rollout_limits import problems
-    from recipes.local.cpu_overrides import ROLLOUT_TP
     from recipes.local.task.doubles import VOCAB_SIZE, write_tokenizer
     from recipes.local.task.hf_checkpoints import make_checkpoint
 
     hf_dir = write_tokenizer(make_checkpoint(tmp_path / "mini", "mini", seed=0))
-    assert problems(hf_dir, ROLLOUT_TP) == []
+    assert [problems(hf_dir, tp) for tp in (1, 2, 4)] == [[], [], []]  # tp 4: the mission's
+    assert problems(hf_dir, 8) == []  # vLLM replicates the 4 KV heads
+    assert "rollout TP 3 does not divide its 32 attention heads" in problems(hf_dir, 3)[0]
     config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     assert config["vocab_size"] == len(tokenizer) == VOCAB_SIZE
@@ -68,7 +69,7 @@ def test_mini_checkpoint_with_the_tasks_tokenizer_is_one_vllms_cpu_backend_serve
     )  # fmt: skip
     spec = load_qwen3_moe_spec(hf_dir)  # either spelling of the expert count
     assert (spec.num_experts, spec.top_k, spec.norm_topk_prob) == (128, 8, True)
-    assert spec.num_heads // spec.num_kv_heads == 8
+    assert (spec.num_heads, spec.num_kv_heads) == (32, 4)  # Qwen3-30B-A3B's: tp 4 divides them
     assert spec.num_layers % 4 == 0
     pad_row = read_state_dict(hf_dir)["model.embed_tokens.weight"][config["pad_token_id"]]
     assert pad_row.norm() > 0.1  # a drawn row of 128 at std 0.02: ~0.23

@@ -35,13 +35,14 @@ def tiny_checkpoint(out, seed):
     return out
 
 
-def start_llm(model_dir, dtype: str):
+def start_llm(model_dir, dtype: str, tensor_parallel_size: int = 1):
     from vllm import LLM
 
     return LLM(
         str(model_dir), dtype=dtype, enforce_eager=True, seed=0,
         kv_cache_memory_bytes=32 << 20, max_model_len=64, max_num_batched_tokens=256,
         enable_return_routed_experts=True, worker_extension_cls="tests.support.vllm_worker.LoadWeights",
+        tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
 
 

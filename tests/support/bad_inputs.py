@@ -594,10 +594,10 @@ PLANNER = [
     ),
     Case(
         "launcher",
-        "local run: --tp 3 (the mini model's 2 kv heads; Ray not started, nothing written)",
-        lambda c: ["--device", "cpu", "--tp", "3", "--ckpt-dir", c.tmp / "out"],
+        "local run: --tp 8 (the mini model's 4 kv heads; Ray not started, nothing written)",
+        lambda c: ["--device", "cpu", "--tp", "8", "--ckpt-dir", c.tmp / "out"],
         2,
-        "error: tp=3 does not divide num_key_value_heads=2: legal tp for this model: 1, 2",
+        "error: tp=8 does not divide num_key_value_heads=4: legal tp for this model: 1, 2, 4",
     ),
     Case(
         "launcher",

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-CPU_MOE_ALIGNMENT = 32  # CPUUnquantizedExperts: hidden and expert slices divisible by it
+CPU_MOE_ALIGNMENT = 32  # CPUUnquantizedExperts: hidden divisible by it (expert slices it pads)
 
 
 def problems(
@@ -33,12 +33,12 @@ def problems(
             f"{model_dir}: hidden_size {hidden} is not a multiple of {CPU_MOE_ALIGNMENT}, "
             "which vLLM's CPU MoE kernel needs: use a multiple of it"
         )
-    moe_slice = config.get("moe_intermediate_size", CPU_MOE_ALIGNMENT) // rollout_tp
-    if moe_slice % CPU_MOE_ALIGNMENT:
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads):
         found.append(
-            f"{model_dir}: moe_intermediate_size / rollout TP = {moe_slice} is not a multiple "
-            f"of {CPU_MOE_ALIGNMENT}: vLLM's CPU MoE kernel pads it on the first load, into a "
-            "layout weight updates cannot load: use a multiple of it"
+            f"{model_dir}: rollout TP {rollout_tp} does not divide its {heads} attention heads "
+            f"or is no multiple or divisor of its {kv_heads} KV heads, as vLLM needs: set "
+            "actor_rollout_ref.rollout.tensor_model_parallel_size to one that is"
         )
     tokens = _tokenizer_length(model_dir) if tokens is None else tokens
     if tokens < config["vocab_size"]:

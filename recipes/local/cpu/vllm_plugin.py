@@ -6,9 +6,11 @@ registers, through vLLM's out-of-tree layer registry (`register_oot`, the mechan
 plugins use), the two things vLLM 0.29's CPU MoE lacks for a rollout whose weights change
 (recipes/local/cpu/vllm_layers.py):
 
-- the CPU MoE kernel prepacks its expert weights only on the first load
-  (`UnquantizedFusedMoEMethod._setup_kernel`): after a weight update it would read the stale
-  packing. `RlCpuFusedMoEMethod` prepacks again after every update;
+- the CPU MoE kernel pads (each partition's expert intermediate size, at rollout TP > 1) and
+  prepacks its expert weights on the first load only (`UnquantizedFusedMoEMethod._setup_kernel`)
+  and keeps them under the loader's names: a weight update would load into the padded, packed
+  tensors (failing at TP > 1, reading stale packing at TP 1). `RlCpuFusedMoEMethod` loads into
+  tensors of the loader's shape and pads and packs again after every update;
 - the CPU MoE kernel is monolithic (routing inside the kernel) and vLLM's routed-experts
   capture refuses it (`bind_routed_experts_capturer`). `RlCpuMoERunner` is a
   `RoutedExpertsCaptureSource` and reports the experts the kernel's own routing function
