@@ -653,3 +653,14 @@ def test_last_complete_checkpoint_is_what_resume_loads(tmp_path):
         (actor / "meta.json").write_text("{}")
     (tmp_path / lost_node.TRACKER).write_text("2")
     assert lost_node.last_complete_checkpoint(tmp_path) == tmp_path / "global_step_1"
+
+
+def test_the_warning_filter_reaches_workers_of_raylets_started_elsewhere(monkeypatch):
+    """train_mcore.sh's PYTHONWARNINGS goes into the job env (Ray's runtime env): workers of a
+    raylet started by ray_start_*.sh do not inherit the launcher's environment (bug: 27 library
+    UserWarnings on the 2 x 4 one-box cluster's console, none on the embedded run's)."""
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore::UserWarning")
+    assert ray_job.job_env("cpu", None)["PYTHONWARNINGS"] == "ignore::UserWarning"
+    assert ray_job.job_env("cuda", None)["PYTHONWARNINGS"] == "ignore::UserWarning"
+    monkeypatch.delenv("PYTHONWARNINGS")
+    assert "PYTHONWARNINGS" not in ray_job.job_env("cpu", None)

@@ -73,6 +73,11 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
         "RAY_AUTH_MODE": ray_auth_mode(),
         "TQ_NUM_THREADS": transferqueue_threads(),
     }
+    if warnings := os.environ.get("PYTHONWARNINGS"):
+        # train_mcore.sh's filter (library UserWarnings: TE / Apex absent, engines verl lacks)
+        # reaches the workers of raylets started elsewhere (ray_start_*.sh), not only the
+        # embedded Ray its driver starts: 27 such lines reached the 2 x 4 cluster's console
+        env["PYTHONWARNINGS"] = warnings
     if device == "npu":
         env.update(A2_ENV)
     if device == "cpu":
