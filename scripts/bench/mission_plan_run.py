@@ -4,7 +4,7 @@ CPU run (world 8 on one box), timed, with the memory of every process it starts.
 Too long for CI (about 11 minutes on 2 cores with a cold warm-up, 6-7 with the warm-up
 reused), so it is a bench: one launch in a fresh run directory, then from the launch's own
 process tree (the launcher, verl's driver, its Ray and every worker under it), sampled every
-2 s from /proc, the peak of the summed RSS and each process's peak RSS by title (actor rank,
+2 s from /proc, the peak of the summed PSS and each process's peak RSS by title (actor rank,
 vLLM worker, engine core, API server, ...); from verl's metrics the step's phases; from the
 console the summary (validation, start-up, export reload). Writes <out>/mission_plan_run.json
 and prints a markdown table.
@@ -48,25 +48,30 @@ def tree(root: int) -> list[int]:
     return out
 
 
-def title_and_rss(pid: int) -> tuple[str, int] | None:
-    """(process title, RSS MiB); None for a process that is gone."""
+def title_and_memory(pid: int) -> tuple[str, int, int] | None:
+    """(process title, RSS MiB, PSS MiB); None for a process that is gone. PSS shares each
+    page among the processes mapping it: summed over the tree it counts shared memory (forked
+    workers, vLLM's shared buffers) once, where summed RSS counted 32 GB on a 24 GB machine."""
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") or [b""]
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         status = Path(f"/proc/{pid}/status").read_text()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
-    rss = next(
-        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")), 0
-    )
+    rss = next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS")), 0)
+    pss = next((int(ln.split()[1]) for ln in rollup.splitlines() if ln.startswith("Pss:")), 0)
     words = [w.decode(errors="replace") for w in cmd if w]
     name = words[0] if words else "?"
-    if name.endswith("python") and len(words) > 2:
-        name = " ".join(words[1:3])[:60]
-    return name.split(" ", 1)[0] if name.startswith(("ray::", "VLLM::")) else name, rss // 1024
+    if name.startswith(("ray::", "VLLM::")):
+        name = name.split(" ", 1)[0]
+    elif name.endswith("python") and len(words) > 2:
+        name = " ".join(words[1:3]).replace("\n", " ")[:60]
+    return name, rss // 1024, pss // 1024
 
 
 class TreeRss:
-    """Samples a process tree: peak summed RSS, and each pid's peak by title."""
+    """Samples a process tree: the peak of its summed PSS, and each pid's peak RSS with the
+    title it had then (Ray reuses worker processes under new titles)."""
 
     def __init__(self, root: int, every_s: float = 2.0):
         self.root, self.every_s = root, every_s
@@ -78,13 +83,14 @@ class TreeRss:
         while not self._stop.is_set():
             total = 0
             for pid in tree(self.root):
-                seen = title_and_rss(pid)
+                seen = title_and_memory(pid)
                 if seen is None:
                     continue
-                title, mib = seen
-                total += mib
-                old = self.by_pid.get(pid, (title, 0))
-                self.by_pid[pid] = (title, max(old[1], mib))
+                title, rss, pss = seen
+                total += pss
+                old_title, old_rss = self.by_pid.get(pid, ("?", -1))
+                if rss > old_rss or old_title == "?":
+                    self.by_pid[pid] = (title if title != "?" else old_title, max(rss, old_rss))
             self.peak_total_mib = max(self.peak_total_mib, total)
             self._stop.wait(self.every_s)
 
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(cmd),
         "exit": code,
         "wall_s": round(time.monotonic() - start, 1),
-        "peak_total_rss_mib": rss.peak_total_mib,
+        "peak_total_pss_mib": rss.peak_total_mib,
         "peak_rss_mib_by_title": rss.per_title(),
         "phases_mean_s": phases(run_dir / "metrics" / "launch_000.jsonl") if code == 0 else {},
         "summary": [
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for title, mibs in result["peak_rss_mib_by_title"].items():
         if max(mibs) >= 50:
             print(f"| `{title}` | {len(mibs)} | {', '.join(map(str, mibs))} |")
-    print(f"\npeak summed RSS {rss.peak_total_mib} MiB; exit {code}; console {console}")
+    print(f"\npeak summed PSS {rss.peak_total_mib} MiB; exit {code}; console {console}")
     return code
 
 
