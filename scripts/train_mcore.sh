@@ -17,4 +17,7 @@ else
     PY=.venv/bin/python
 fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::UserWarning}
+# the launcher runs in this process (exec): its wall time counts from here, and the
+# summary names the bootstrap's share of it
+export MCORE_DAPO_BOOTSTRAP_S=$SECONDS
 exec "$PY" -m recipes.launcher "$@"

@@ -74,14 +74,14 @@ def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
 
 
 def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float = 0.9,
-           console=None, world: int = 1, prepared_s: float = 0.0,
+           console=None, world: int = 1, parts: dict | None = None,
            engine: str = "mcore_ep") -> int:  # fmt: skip
     """Export against `model` (the trained one: its config and tokenizer), reload check,
     routing report, reward curve, summary (after verl returns); with
     a console (recipes.dapo.console.screen) what that work prints goes to the run's log, and the
     summary is the last thing on screen."""
     with console.capture() if console else nullcontext():
-        summary = _finish_files(out, model, wall_s, verl_s, target, world, prepared_s, engine)
+        summary = _finish_files(out, model, wall_s, verl_s, target, world, parts, engine)
     if console:
         console.close()
     print_summary(summary)
@@ -90,7 +90,7 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
 
 
 def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
-                  world: int, prepared_s: float = 0.0, engine: str = "mcore_ep") -> dict:  # fmt: skip
+                  world: int, parts: dict | None = None, engine: str = "mcore_ep") -> dict:  # fmt: skip
     from recipes.dapo.console.health_report import (
         latest_actor_checkpoint,
         latest_fsdp_checkpoint,
@@ -113,7 +113,29 @@ def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: 
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
     return write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
                          world=world, export_max_logits_diff=diff,
-                         prepared_s=round(prepared_s, 1))  # fmt: skip
+                         startup_parts_s=parts or {})  # fmt: skip
+
+
+FIRST_VALIDATION = "the first validation"  # recipes.dapo.console.filters.PHASES' last
+
+
+def startup_parts(out: Path, prepared_s: float, validation_at: float | None) -> dict:
+    """The start-up's parts known before the steps (seconds): the bootstrap (train_mcore.sh's
+    MCORE_DAPO_BOOTSTRAP_S), the model, data and warm-up (`warmup`: made, reused from the
+    cache, or none), and when the first validation began (from the launch); write_summary
+    splits verl's start-up from the validation with it."""
+    import os
+
+    from recipes.local.task.built_models import warmed_dir
+    from recipes.local.warmup import WORK_DIR
+
+    parts = {"bootstrap": float(os.environ.get("MCORE_DAPO_BOOTSTRAP_S") or 0.0),
+             "prepared": prepared_s}  # fmt: skip
+    if validation_at is not None:
+        parts["validation_at"] = validation_at
+    made = (out / WORK_DIR / "log.txt").is_file()
+    warmup = "made" if made else "reused" if warmed_dir(out).is_dir() else None
+    return {**{k: round(v, 1) for k, v in parts.items()}, "warmup": warmup}
 
 
 def next_metrics_file(folder: Path, fresh: bool = False) -> Path:
@@ -181,8 +203,11 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
             )
             print(lost or console.failure_line(code), file=sys.stderr)
             return code
+        validation_at = console.startup.began.get(FIRST_VALIDATION)
+        parts = startup_parts(out, prepared_s,
+                              None if validation_at is None else validation_at - t0)  # fmt: skip
         return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
-                      console=console, world=resolved.run.plan.world,
-                      prepared_s=prepared_s, engine=resolved.run.engine)  # fmt: skip
+                      console=console, world=resolved.run.plan.world, parts=parts,
+                      engine=resolved.run.engine)  # fmt: skip
     finally:
         console.close()

@@ -131,14 +131,23 @@ def _model_name(paths: dict) -> str:
 
 
 def _startup_parts(summary: dict) -> str:
-    """What of the start-up was this launch making the model, data and warm-up."""
-    prepared = summary.get("prepared_s") or 0.0
-    if prepared < 1.0:
+    """The start-up's parts: the bootstrap, the model, data and warm-up (or the warm-up
+    reused), verl's start-up, the first validation; none when verl's is all there is."""
+    parts = summary.get("startup_parts_s") or {}
+    boot, prepared = parts.get("bootstrap", 0.0), parts.get("prepared", 0.0)
+    validation_at, total = parts.get("validation_at"), summary["startup_s"]
+    shown = [f"bootstrap {boot:.1f}s"] if boot >= 1.0 else []
+    if parts.get("warmup") == "reused":
+        shown.append(f"model and data {prepared:.1f}s, the warm-up reused")
+    elif prepared >= 1.0:
+        shown.append(f"model, data and warm-up {prepared:.1f}s")
+    if not shown and validation_at is None:
         return ""
-    return (
-        f" (model, data and warm-up {prepared:.1f}s, then verl "
-        f"{summary['startup_s'] - prepared:.1f}s)"
-    )
+    verl_end = total if validation_at is None else validation_at
+    shown.append(f"verl {verl_end - boot - prepared:.1f}s")
+    if validation_at is not None:
+        shown.append(f"the first validation {total - validation_at:.1f}s")
+    return " (" + ", ".join(shown) + ")"
 
 
 def print_summary(summary: dict) -> None:

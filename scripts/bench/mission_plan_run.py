@@ -110,15 +110,21 @@ class TreeRss:
 
 
 def phases(metrics_file: Path) -> dict:
+    """Mean seconds of each phase of the trained steps after the first (step 1 carries
+    one-time work), and the update's tokens/s (the batch's tokens over `update_actor`)."""
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     rows = [r.get("data", r) for r in rows]
     train = [r for r in rows if "timing_s/update_actor" in r]
-    mean = lambda key: statistics.fmean(r[key] for r in train if key in r) if train else None  # noqa: E731
-    return {
-        p: mean(f"timing_s/{p}")
-        for p in (*PHASES, "step")
-        if any(f"timing_s/{p}" in r for r in train)
-    }
+    steady = train[1:] or train
+    out = {}
+    for p in (*PHASES, "step"):
+        values = [r[f"timing_s/{p}"] for r in steady if f"timing_s/{p}" in r]
+        if values:
+            out[p] = round(statistics.fmean(values), 2)
+    seconds = sum(r["timing_s/update_actor"] for r in steady)
+    tokens = sum(r.get("perf/total_num_tokens", 0) for r in steady)
+    out["update_tokens_per_s"] = round(tokens / seconds, 1) if seconds else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -306,7 +306,8 @@ def test_run_summary_warns_when_the_mean_comm_share_is_over_30_percent(
 def test_run_summary_splits_the_step_into_phases_and_names_the_warm_ups_start_up(tmp_path, capsys):
     """Catches a phase averaged over steps that did not run it (a save every 10 steps read as
     a tenth of its cost), validation at step 0 counted as a step's, and a start-up that hides
-    the mini model's warm-up inside verl's."""
+    the mini model's warm-up, the bootstrap or the first validation inside verl's (a fresh
+    clone's `verl 341.7s` held 170 s of bootstrap)."""
     from recipes.local.summary import print_summary, write_summary
 
     history = [{"step": 0, "timing_s/testing": 50.0}]
@@ -315,14 +316,21 @@ def test_run_summary_splits_the_step_into_phases_and_names_the_warm_ups_start_up
                         "timing_s/update_actor": 3.0, "timing_s/old_log_prob": 1.0,
                         "timing_s/update_weights": 0.5})  # fmt: skip
     history[-1] |= {"timing_s/save_checkpoint": 2.0, "timing_s/testing": 6.0}
+    parts = {"bootstrap": 20.0, "prepared": 250.0, "validation_at": 300.0, "warmup": "made"}
     summary = write_summary(tmp_path, history, 0.9, {}, wall_s=400.0, startup_s=330.0,
-                            prepared_s=250.0)  # fmt: skip
+                            startup_parts_s=parts)  # fmt: skip
     assert summary["step_phases_s"] == {"gen": 5.5, "old-log-prob": 1.0, "update": 3.0,
                                         "weight sync": 0.5, "save": 2.0, "validation": 6.0}  # fmt: skip
     print_summary(summary)
     out = capsys.readouterr().out
-    assert "start-up 330.0s (model, data and warm-up 250.0s, then verl 80.0s)" in out
+    assert ("start-up 330.0s (bootstrap 20.0s, model, data and warm-up 250.0s, verl 30.0s, "
+            "the first validation 30.0s)") in out  # fmt: skip
     assert ("a step (mean s): gen 5.5, old-log-prob 1, update 3, weight sync 0.5, save 2, "
             "validation 6\n") in out  # fmt: skip
-    print_summary(write_summary(tmp_path, history, 0.9, {}, 400.0, 80.0, prepared_s=0.2))
+    print_summary(write_summary(tmp_path, history, 0.9, {}, 400.0, 80.0,
+                                startup_parts_s={"prepared": 0.2}))  # fmt: skip
     assert "start-up 80.0s\n" in capsys.readouterr().out  # a reused model: no parts
+    reused = {"bootstrap": 0.4, "prepared": 3.0, "validation_at": 60.0, "warmup": "reused"}
+    print_summary(write_summary(tmp_path, history, 0.9, {}, 400.0, 80.0, startup_parts_s=reused))
+    assert ("start-up 80.0s (model and data 3.0s, the warm-up reused, verl 56.6s, the first "
+            "validation 20.0s)") in capsys.readouterr().out  # fmt: skip

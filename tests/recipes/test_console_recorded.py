@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.dapo.console.filters import NOT_APPLICABLE, STARTUP_EVERY_S
+from recipes.dapo.console.filters import NOT_APPLICABLE, STARTUP_EVERY_S, STILL_EVERY_S
 from recipes.dapo.console.screen import NUMBER, RAY_PREFIX, Console, clean, warning_text
 from recipes.dapo.console.step_line import LEGEND
 
@@ -26,6 +26,7 @@ DATA = Path(__file__).parents[1] / "data"
 STREAM = DATA / "main_console_stream.log"
 FINISH = DATA / "main_finish_stderr.log"
 STARTING = re.compile(r"^starting: (.+) \((\d+) s\)$")
+STILL = re.compile(r"^  \.\.\. (\d+) s$")
 STAMP = re.compile(r"\d\d-\d\d (\d\d):(\d\d):(\d\d)")
 
 
@@ -112,20 +113,22 @@ def test_the_legend_once_before_the_first_step_line(shown):
         assert f"{field} " in LEGEND or f"{field} =" in LEGEND
 
 
-def test_start_up_lines_every_15_s_until_the_first_step(shown):
-    """Catches a silent start-up (nothing for two minutes), start-up lines that keep coming
-    once the steps do, or more than one each STARTUP_EVERY_S."""
+def test_start_up_names_each_phase_once_until_the_first_step(shown):
+    """Catches a silent start-up, start-up lines that keep coming once the steps do, and a
+    phase's name repeated every 15 s (`starting: the first validation (592 s)`, `(607 s)`,
+    `(622 s)`...): a lasting phase gets its time alone, at most once a minute."""
     lines, _ = shown
     first_step = lines.index(LEGEND)
     starting = [(i, STARTING.match(line)) for i, line in enumerate(lines)]
     starting = [(i, m.group(1), int(m.group(2))) for i, m in starting if m]
-    assert len(starting) >= 5 and all(i < first_step for i, _, _ in starting)
-    seconds = [s for _, _, s in starting]
-    assert all(b - a >= STARTUP_EVERY_S for a, b in zip(seconds, seconds[1:], strict=False))
+    assert len(starting) >= 4 and all(i < first_step for i, _, _ in starting)
     phases = [p for _, p, _ in starting]
-    runs = [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]
-    assert len(runs) == len(set(runs))  # each phase's lines together, in the order they come
-    assert {"verl's driver and data", "vLLM rollout", "the first validation"} <= set(runs)
+    assert len(phases) == len(set(phases))  # each phase named once, in the order they come
+    assert {"verl's driver and data", "vLLM rollout", "the first validation"} <= set(phases)
+    assert starting[0][2] >= STARTUP_EVERY_S
+    still = [int(m.group(1)) for line in lines[:first_step] if (m := STILL.match(line))]
+    for a, b in zip(still, still[1:], strict=False):
+        assert b - a >= STILL_EVERY_S  # a lasting phase: its time, at most once a minute
 
 
 def test_the_summary_is_free_of_the_reloads_warnings(shown):

@@ -8,14 +8,16 @@
   config override), or a library's deprecation inside its own code.
 - config lines: `mcore_ep: config: ...` (logged at INFO by the engine) shown once as
   `config: ...`, not as warnings.
-- Startup: while nothing else shows (before the first step line), a `starting: <phase> (N s)`
-  line at most every STARTUP_EVERY_S, the phase read from the lines the console sees.
+- Startup: while nothing else shows (before the first step line), `starting: <phase> (N s)`
+  once per phase (from STARTUP_EVERY_S after the launch), the phase read from the lines the
+  console sees; a phase that lasts gets `  ... N s` every STILL_EVERY_S, its name not repeated.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STARTUP_EVERY_S = 15.0
+STILL_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -101,17 +103,25 @@ class Startup:
     started: float
     phase: str = "verl's trainer (imports)"
     said_at: float | None = None
+    said_phase: str | None = None
     done: bool = False
+    began: dict = field(default_factory=dict)  # phase -> clock seconds its first line came
 
-    def observe(self, text: str) -> None:
+    def observe(self, text: str, now: float | None = None) -> None:
         for pattern, phase in PHASES:
             if pattern.search(text):
                 self.phase = phase
+                self.began.setdefault(phase, now)
 
     def line(self, now: float) -> str | None:
-        """`starting: <phase> (N s)` when one is due at `now` (clock seconds), else None."""
-        last = self.started if self.said_at is None else self.said_at
-        if self.done or now - last < STARTUP_EVERY_S:
+        """The line due at `now` (clock seconds): a new phase's `starting: <phase> (N s)`, a
+        lasting one's `  ... N s`; else None."""
+        if self.done or now - self.started < STARTUP_EVERY_S:
+            return None
+        if self.phase != self.said_phase:
+            self.said_at, self.said_phase = now, self.phase
+            return f"starting: {self.phase} ({now - self.started:.0f} s)"
+        if now - self.said_at < STILL_EVERY_S:
             return None
         self.said_at = now
-        return f"starting: {self.phase} ({now - self.started:.0f} s)"
+        return f"  ... {now - self.started:.0f} s"

@@ -209,7 +209,7 @@ class Console:
         if (m := TOTAL_STEPS.search(text)) and self.total_steps is None:
             self.total_steps = int(m.group(1))
         step = parse_step(text)
-        self.startup.observe(text)
+        self.startup.observe(text, self.clock())
         if step is not None:
             self._step(*step)
         elif (config := config_text(text)) is not None:
