@@ -104,6 +104,8 @@ def expected_overrides(device: str, files: dict) -> dict[str, str]:
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+        # scripts/test.sh sets it, as train_mcore.sh does: the job passes it on
+        **({"PYTHONWARNINGS": w} if (w := os.environ.get("PYTHONWARNINGS")) else {}),
         **(ray_job.A2_ENV if a2 else {}),
         **({"HCCL_SOCKET_IFNAME": "eth0"} if a2 else {"NCCL_SOCKET_IFNAME": "eth0"}),
         "GLOO_SOCKET_IFNAME": "eth0",
