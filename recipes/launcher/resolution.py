@@ -158,8 +158,23 @@ def resolve_local(spec: RunSpec) -> Resolved:
     check_overrides(overrides.to_cli(groups), overrides.to_cli(built), list(spec.extra))
     check_mode(spec.trainer_mode, groups)
     groups = overrides.name_the_run(groups)
-    rollout_tp = overrides.value_of(groups, "actor_rollout_ref.rollout.tensor_model_parallel_size")
-    checks.check_rollout_model(model, int(rollout_tp))
+    checks.check_rollout_model(model, rollout_tp_of(groups))
     if spec.resume:
         checks.check_resume(groups, out)
     return Resolved(run, None, groups, replaced, model_line=model.describe())
+
+
+ROLLOUT_TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+def rollout_tp_of(groups: dict) -> int:
+    """The run's rollout TP (the CPU default or a `--` override), a positive integer."""
+    value = overrides.value_of(groups, ROLLOUT_TP_KEY)
+    try:
+        tp = int(str(value))
+    except ValueError:
+        tp = 0
+    if tp < 1:
+        raise LaunchError(f"{ROLLOUT_TP_KEY}={value}: give a positive integer (the CPU run's "
+                          "default: 1 up to world 4, world / 2 beyond)")  # fmt: skip
+    return tp

@@ -601,6 +601,39 @@ PLANNER = [
     ),
     Case(
         "launcher",
+        "local run: a rollout TP vLLM cannot split the mini model's heads by",
+        lambda c: [
+            "--device",
+            "cpu",
+            "--dry-run",
+            "--ckpt-dir",
+            c.tmp / "out",
+            "--",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+        ],  # fmt: skip
+        2,
+        "error: {tmp}/out/sft_hf: rollout TP 3 does not divide its 32 attention heads or is no "
+        "multiple or divisor of its 4 KV heads, as vLLM needs: set "
+        "actor_rollout_ref.rollout.tensor_model_parallel_size to one that is",
+    ),
+    Case(
+        "launcher",
+        "local run: a rollout TP that is no number",
+        lambda c: [
+            "--device",
+            "cpu",
+            "--dry-run",
+            "--ckpt-dir",
+            c.tmp / "out",
+            "--",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=abc",
+        ],  # fmt: skip
+        2,
+        "error: actor_rollout_ref.rollout.tensor_model_parallel_size=abc: give a positive integer "
+        "(the CPU run's default: 1 up to world 4, world / 2 beyond)",
+    ),
+    Case(
+        "launcher",
         "local run: --ep 5 (128 experts)",
         lambda c: ["--device", "cpu", "--ep", "5", "--ckpt-dir", c.tmp / "out"],
         2,
