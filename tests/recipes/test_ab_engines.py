@@ -1,4 +1,4 @@
-"""scripts/bench/runs/ab_engines.py: the same DAPO job on verl's FSDP2 actor and on ours, one table.
+"""scripts/bench/launches/ab_engines.py: the same DAPO job on verl's FSDP2 actor and on ours, one table.
 
 The reduction and the goal on recorded metrics; then the A/B at the goal's row (mini, 128
 experts top-8, world 2) through the launcher: the bench launches verl's FSDP2 actor beside the
@@ -18,7 +18,7 @@ import torch
 from backend.shared.errors import CheckpointError
 from converters.pickles.fsdp_state import check_fsdp_checkpoint, is_complete, rank_files
 from converters.pickles.safe_pickle import UnsafeCheckpointError
-from scripts.bench.runs import ab_engines
+from scripts.bench.launches import ab_engines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def ab_run(mini_run, tmp_path_factory):
     # the run's overrides but its save every step (the FSDP run saves at its last, step 2)
     same = ["trainer.val_before_train=false", "trainer.test_freq=-1", FP32_ROLLOUT,
             *MINI_OVERRIDES]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.runs.ab_engines", "--models", "mini",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.launches.ab_engines", "--models", "mini",
                            "--worlds", "2", "--steps", "2", "--engines", "fsdp", "--out", str(out),
                            "--", *same], cwd=REPO, capture_output=True, text=True, timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 steps): a vLLM engine of its own, fed by the gloo weight channel (recipes.dapo.engine.weight_channel).
 Its checkpoint holds the TransferQueue state verl unpickles on resume: the launcher's resume
 check vets it (converters.pickles.queue_state). colocate_async's overrides are tested in
-tests/recipes/test_trainer_modes.py; its launch is measured by scripts/bench/runs/async_modes.py, not in CI
+tests/recipes/test_trainer_modes.py; its launch is measured by scripts/bench/launches/async_modes.py, not in CI
 (docs/async_modes.md)."""
 
 import pytest

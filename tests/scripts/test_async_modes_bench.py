@@ -1,4 +1,4 @@
-"""scripts/bench/runs/async_modes.py's reduction of each mode's metrics into the trainer-mode table
+"""scripts/bench/launches/async_modes.py's reduction of each mode's metrics into the trainer-mode table
 (the launches themselves are the main job's, tested in test_async_modes.py)."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench.runs import async_modes
+from scripts.bench.launches import async_modes
 
 pytestmark = pytest.mark.no_mcore  # the 0.16.1 set only (pyproject.toml)
 LAG, VAL = async_modes.LAG, "val-aux/math_dapo/reward/mean@8"

@@ -1,4 +1,4 @@
-"""scripts/bench/runs/mission_plan_run.py's memory sampler counts the launch's own process tree:
+"""scripts/bench/launches/mission_plan_run.py's memory sampler counts the launch's own process tree:
 a grandchild's memory (Ray's workers are the launcher's grandchildren) is in it, another
 process on the machine is not (a sampler that read every process would count a second job)."""
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from scripts.bench.runs.mission_plan_run import TreeRss
+from scripts.bench.launches.mission_plan_run import TreeRss
 
 HOLD = "import time; x = bytearray({mib} << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(4)"
 

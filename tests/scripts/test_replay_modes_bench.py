@@ -1,4 +1,4 @@
-"""scripts/bench/runs/replay_modes.py's reduction of a run's metrics into the replay table (the
+"""scripts/bench/launches/replay_modes.py's reduction of a run's metrics into the replay table (the
 launches themselves are the main job's, tested in test_verl_cpu_trainer.py)."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench.runs import replay_modes
+from scripts.bench.launches import replay_modes
 
 AGREE, MATCH, DIFF = replay_modes.AGREE, replay_modes.MATCH, replay_modes.DIFF
 

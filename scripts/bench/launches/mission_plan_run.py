@@ -9,8 +9,8 @@ vLLM worker, engine core, API server, ...); from verl's metrics the step's phase
 console the summary (validation, start-up, export reload). Writes <out>/mission_plan_run.json
 and prints a markdown table.
 
-    python -m scripts.bench.runs.mission_plan_run --out runs/bench_mission              # tp4 x ep8
-    python -m scripts.bench.runs.mission_plan_run --out DIR --plan "--tp 2 --ep 2" --steps 5
+    python -m scripts.bench.launches.mission_plan_run --out runs/bench_mission              # tp4 x ep8
+    python -m scripts.bench.launches.mission_plan_run --out DIR --plan "--tp 2 --ep 2" --steps 5
 """
 
 import argparse

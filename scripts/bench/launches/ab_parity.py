@@ -6,9 +6,9 @@ x n responses sampled from the policy (transformers on the same weights), token-
 advantages (zero-mean per group). Each runs the old-log-prob pass (`infer_batch`) and one
 update (`train_batch`: forward, backward, clip, optimizer step) through verl's own ppo_loss.
 Returns, per engine, the log-probs, the loss and the grad norm of that update, and the largest
-differences: what `python -m scripts.bench.runs.ab_engines` reports as the step-1 agreement.
+differences: what `python -m scripts.bench.launches.ab_engines` reports as the step-1 agreement.
 
-    python -m scripts.bench.runs.ab_parity HF_DIR     # a line "step-1 agreement: {JSON}" on stdout
+    python -m scripts.bench.launches.ab_parity HF_DIR     # a line "step-1 agreement: {JSON}" on stdout
 """
 
 import json

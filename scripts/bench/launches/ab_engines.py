@@ -13,10 +13,10 @@ ab_parity.py): old log-probs, loss and grad norm of the first update. Writes
 <out>/ab_engines.json and prints the table (markdown), with the goal: ours >= 2x FSDP's update
 tokens/s at <= 1.0x its peak memory, on mini at world 2.
 
-    python -m scripts.bench.runs.ab_engines                              # tiny and mini, world 1 and 2
-    python -m scripts.bench.runs.ab_engines --models tiny --worlds 1 --steps 3
-    python -m scripts.bench.runs.ab_engines --table-only --out DIR       # reduce earlier runs again
-    python -m scripts.bench.runs.ab_engines --engines fsdp ... -- trainer.save_freq=1  # overrides
+    python -m scripts.bench.launches.ab_engines                              # tiny and mini, world 1 and 2
+    python -m scripts.bench.launches.ab_engines --models tiny --worlds 1 --steps 3
+    python -m scripts.bench.launches.ab_engines --table-only --out DIR       # reduce earlier runs again
+    python -m scripts.bench.launches.ab_engines --engines fsdp ... -- trainer.save_freq=1  # overrides
 
 On a cluster: `--cluster "ARGS"` gives both launches the main job's arguments (--device,
 --model DIR, data files, --nodes ...; each engine's --ckpt-dir a directory under --out; `--plan "--tp 4 --ep 8"` for
@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.bench.runs.replay_modes import read_rows, seed_from
+from scripts.bench.launches.replay_modes import read_rows, seed_from
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINES = ("fsdp", "mcore_ep")  # the baseline first
@@ -212,11 +212,11 @@ def table(results: dict, parity: dict) -> str:
 
 
 def run_parity(hf_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "scripts.bench.runs.ab_parity", str(hf_dir)]
+    cmd = [sys.executable, "-m", "scripts.bench.launches.ab_parity", str(hf_dir)]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ab_parity.py failed: {out.stderr[-2000:]}")
-    from scripts.bench.runs.ab_parity import MARK
+    from scripts.bench.launches.ab_parity import MARK
 
     return json.loads(out.stdout.split(MARK, 1)[1].splitlines()[0])
 

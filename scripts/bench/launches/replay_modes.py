@@ -8,9 +8,9 @@ routing agreement per layer (rollout vs the actor's router, old-log-prob pass), 
 route match, |rollout - actor log-prob| mean / p99 / max, the train and validation reward.
 Writes <out>/replay_modes.json and prints the table (markdown).
 
-    python -m scripts.bench.runs.replay_modes                          # mini, 20 steps, 4 modes
-    python -m scripts.bench.runs.replay_modes --model tiny --steps 10 --modes disabled,R3
-    python -m scripts.bench.runs.replay_modes --table-only --out DIR   # reduce earlier runs again
+    python -m scripts.bench.launches.replay_modes                          # mini, 20 steps, 4 modes
+    python -m scripts.bench.launches.replay_modes --model tiny --steps 10 --modes disabled,R3
+    python -m scripts.bench.launches.replay_modes --table-only --out DIR   # reduce earlier runs again
 """
 
 import argparse

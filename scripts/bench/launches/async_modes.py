@@ -11,9 +11,9 @@ mode), and against sync: the speed ratio and how much of generation no longer bl
 (overlap = 1 - gen wait per step / sync's gen per step). Writes <out>/async_modes.json and
 prints the table (markdown).
 
-    python -m scripts.bench.runs.async_modes                            # mini, 20 steps, 3 modes
-    python -m scripts.bench.runs.async_modes --model tiny --steps 6 --modes sync,separate_async
-    python -m scripts.bench.runs.async_modes --table-only --out DIR     # reduce earlier runs again
+    python -m scripts.bench.launches.async_modes                            # mini, 20 steps, 3 modes
+    python -m scripts.bench.launches.async_modes --model tiny --steps 6 --modes sync,separate_async
+    python -m scripts.bench.launches.async_modes --table-only --out DIR     # reduce earlier runs again
 """
 
 import statistics
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.bench.runs.replay_modes import VAL, mode_args, read_rows, report, run_modes
+from scripts.bench.launches.replay_modes import VAL, mode_args, read_rows, report, run_modes
 
 REPO = Path(__file__).resolve().parents[3]
 MODES = ("sync", "colocate_async", "separate_async")
