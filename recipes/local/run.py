@@ -116,9 +116,6 @@ def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: 
                          startup_parts_s=parts or {})  # fmt: skip
 
 
-FIRST_VALIDATION = "the first validation"  # recipes.dapo.console.filters.PHASES' last
-
-
 def startup_parts(out: Path, prepared_s: float, validation_at: float | None) -> dict:
     """The start-up's parts known before the steps (seconds): the bootstrap (train_mcore.sh's
     MCORE_DAPO_BOOTSTRAP_S), the model, data and warm-up (`warmup`: made, reused from the
@@ -203,6 +200,8 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
             )
             print(lost or console.failure_line(code), file=sys.stderr)
             return code
+        from recipes.dapo.console.filters import FIRST_VALIDATION
+
         validation_at = console.startup.began.get(FIRST_VALIDATION)
         parts = startup_parts(out, prepared_s,
                               None if validation_at is None else validation_at - t0)  # fmt: skip

@@ -83,6 +83,7 @@ def config_text(text: str) -> str | None:
     return f"config: {m.group(1).strip()}" if m else None
 
 
+FIRST_VALIDATION = "the first validation"  # the last start-up phase (the summary splits at it)
 # (a line that starts the phase, the phase): the first matching, in the order they come
 PHASES = (
     (re.compile(r"ray init kwargs|Connecting to existing Ray cluster"), "Ray"),
@@ -92,7 +93,7 @@ PHASES = (
     ),
     (re.compile(r"create worker group"), "the actor workers"),
     (re.compile(r"actor and ref model engine initialized"), "vLLM rollout"),
-    (re.compile(r"all initialize finished"), "the first validation"),
+    (re.compile(r"all initialize finished"), FIRST_VALIDATION),
 )
 
 
