@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.backend.test_actor import MISSION_SHAPE
+from tests.recipes.test_comm_bytes import assert_model_matches, comm_env
 from tests.recipes.test_verl_engine_multiproc import (
     REPLICA_LENGTHS,
     UPDATE_RTOL,
@@ -119,8 +120,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world8(model_dir, tmp_path_factory):
+    """The 8 ranks' results and checkpoint, with the bytes each moved (comm_bytes) beside."""
     ckpt = tmp_path_factory.mktemp("world8") / "ckpt"
-    return run_ranks(mission_rank, WORLD, str(model_dir), str(ckpt), timeout=900), ckpt
+    with pytest.MonkeyPatch.context() as env:
+        comm_env(env, ckpt.parent / "comm")
+        return run_ranks(mission_rank, WORLD, str(model_dir), str(ckpt), timeout=900), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +256,9 @@ def test_the_routing_reports_ep_table_at_ep8_sums_to_the_runs_counts(world8, wor
     load_LR = torch.as_tensor(rows[EP]["load_LR"])
     assert torch.equal(load_LR.sum(-1), counts_LE.sum(-1))
     assert torch.equal(load_LR, counts_LE.reshape(counts_LE.shape[0], EP, -1).sum(-1))
+
+
+def test_tp4_ep8_moves_what_the_traffic_model_says(world8, model_dir):
+    """Each rank's bytes by group (TP / EP / DP) in the old-log-prob pass, the weight stream
+    and the update, counted in the collectives, against parallel.step_traffic at tp4 x ep8."""
+    assert_model_matches(world8[1].parent / "comm", WORLD, model_dir, tp=TP, ep=EP)

@@ -99,6 +99,11 @@ class MicroBatchRunner:
         self.model, self.module, self.routing, self.guards = model, module, routing, guards
         self.groups, self.config, self.num_experts = groups, engine_config, num_experts
         self.device, self.torch_device = device, torch_device
+        self.tokens_run = 0  # padded tokens of the passes since the last take_tokens
+
+    def take_tokens(self) -> int:
+        tokens, self.tokens_run = self.tokens_run, 0
+        return tokens
 
     def forward_backward(self, data, loss_function, phase: str) -> dict:
         """One pass over verl's batch `data` in `phase` (recipes.dapo.engine.replay_routes.phase_of):
@@ -112,6 +117,7 @@ class MicroBatchRunner:
         mbs = [make(data, rows, tp, self.torch_device) for rows in plans]
         if self._tokens_gathered_over_ep:
             mbs = batches.agree_over(mbs, self.groups.ep)
+        self.tokens_run += sum(mb.ids_BS.numel() for mb in mbs)
         mode = self.config.router_replay
         routes = [
             micro_batch_routes(mb, phase, mode, self.torch_device, self._layers, self.num_experts)

@@ -46,6 +46,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
 
+from backend.instruments.comm_bytes import CommBytes
 from backend.instruments.router_instruments import RouterInstruments
 from backend.instruments.timing import StepTimer
 from backend.training.optim import DP_REDUCTION, OptimSettings, make_optimizer
@@ -128,6 +129,7 @@ class McoreEpEngine(BaseEngine):
         # set by initialize: the passes, the metrics, the checkpoint saves and loads
         self.passes: MicroBatchRunner | None = None
         self.metrics: StepMetrics | None = None
+        self.comm: CommBytes | None = None
         self.checkpoints: CheckpointIO | None = None
 
     # ---- setup -----------------------------------------------------------------------
@@ -183,6 +185,7 @@ class McoreEpEngine(BaseEngine):
         )  # fmt: skip
         self.metrics = StepMetrics.start(c, self.module, self.routing, self.groups, device)
         self.timer = self.metrics.timer
+        self.comm = CommBytes.from_env(self.groups)  # opt-in: bytes per phase and group
         if c.resume_from and not c.forward_only:
             contents = set(self.checkpoint_config.get("load_contents", _DEFAULT_CONTENTS))
             self.checkpoints.check_early(Path(c.resume_from), contents)
@@ -248,8 +251,11 @@ class McoreEpEngine(BaseEngine):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only:
+            self._comm_take("other")
             with self.timer.between_steps("old_log_prob"):
-                return self._forward_backward(data, loss_function, forward_only)
+                out = self._forward_backward(data, loss_function, forward_only)
+            self._comm_take("old_log_prob")
+            return out
         with self.timer.section("forward_backward"):
             return self._forward_backward(data, loss_function, forward_only)
 
@@ -270,6 +276,7 @@ class McoreEpEngine(BaseEngine):
         reduces an actor metric over the updates by np.min when its key contains "min", as
         "timing" does, so a value per update would log the smallest update."""
         self.writer.poll()  # a save written in the background: sealed once every rank is done
+        self._comm_take("other")
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
         guarded = self.guards.end_step(self.groups.dp, self._torch_device)
@@ -278,7 +285,12 @@ class McoreEpEngine(BaseEngine):
         if tu.get_non_tensor_data(data, "update_lr_scheduler", True):
             self.routing.end_trainer_step()
             outputs["metrics"].update(as_lists(self.metrics.trainer_step_timing()))
+        self._comm_take("update")
         return outputs
+
+    def _comm_take(self, phase: str) -> None:
+        if self.comm is not None:
+            self.comm.take(phase, tokens=self.passes.take_tokens())
 
     def optimizer_zero_grad(self):
         self.optim.zero_grad()
@@ -298,10 +310,15 @@ class McoreEpEngine(BaseEngine):
         """(HF name, full tensor) generator for rollout sync; every rank must consume it."""
         if self.is_param_offload_enabled:
             self.onload(model=True, optimizer=False, grad=False)
+        self._comm_take("other")
         bucket = int(self.engine_config.weight_sync_bucket_mb * 2**20)
         tensors = weights.hf_tensors(self.module, self.groups, self.spec, self._sync_headers,
                                      bucket)  # fmt: skip
-        return self.timer.timed_items("weight_sync", tensors), None
+        return self._counted(self.timer.timed_items("weight_sync", tensors), "weight_sync"), None
+
+    def _counted(self, items, phase: str):
+        yield from items
+        self._comm_take(phase)
 
     def save_checkpoint(
         self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
@@ -318,12 +335,14 @@ class McoreEpEngine(BaseEngine):
         # verl gives the optimizer its trainer steps times parameter_sync_step
         updates = getattr(self.optimizer_config, "total_training_steps", None) or 0
         total = updates // self.engine_config.updates_per_step
+        self._comm_take("other")
         self.checkpoints.save(
             Path(local_path), global_step, max_ckpt_to_keep,
             contents=set(config.get("save_contents", _DEFAULT_CONTENTS)),
             async_save=bool(config.get("async_save", False)),
             total_steps=total,
         )  # fmt: skip
+        self._comm_take("save")
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         contents = set(self.checkpoint_config.get("load_contents", _DEFAULT_CONTENTS))
