@@ -34,6 +34,8 @@ PLANS = {  # world: tp, ep (dp 2 from world 2 on: every kind of group moves some
 }
 STEPS = 5
 MODELLED = ("old_log_prob", "update", "weight_sync")
+# the actor ranks' title, then the method running ("ray::WorkerDict.actor_rollout_update_actor");
+# megatron's async checkpoint writer is forked from a rank and carries its title
 ACTOR_TITLE = "ray::WorkerDict"
 # the cluster's step for the full model: data.train_batch_size 32 x n 16 samples of ~4900
 # tokens (recipes.dapo.job.overrides), split over dp, bf16, the alltoall dispatcher
@@ -105,12 +107,13 @@ def measure(name: str, out: Path) -> dict:
         tp=tp,
         ep=ep,
     )
-    actors = run["peak_rss_mib_by_title"].get(ACTOR_TITLE, [])
+    by_title = run["peak_rss_mib_by_title"].items()
+    actors = [mib for title, mibs in by_title if title.startswith(ACTOR_TITLE) for mib in mibs]
     return {
         "plan": fit.plan.describe(),
         "wall_s": run["wall_s"],
         "phases_mean_s": run["phases_mean_s"],
-        "actor_peak_rss_mib": max(actors[:world]) if actors else None,
+        "actor_peak_rss_mib": max(actors) if actors else None,
         "peak_total_pss_mib": run["peak_total_pss_mib"],
         "comm": comm_summary(comm_dir, fit) if world > 1 else None,
     }
