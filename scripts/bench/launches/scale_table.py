@@ -24,6 +24,7 @@ from backend.qwen3_moe.config import load_qwen3_moe_spec
 from parallel.models import load_spec
 from parallel.plan import plan_for_model
 from parallel.step_traffic import KINDS, phase_bytes
+from recipes.local import warmup_cache
 from scripts.bench.launches import mission_plan_run
 
 PLANS = {  # world: tp, ep (dp 2 from world 2 on: every kind of group moves something)
@@ -94,6 +95,7 @@ def measure(name: str, out: Path) -> dict:
     if not (where / "mission_plan_run.json").exists():
         os.environ[comm_bytes.ENV] = str(comm_dir)
         os.environ[comm_bytes.FR_BUFFER_ENV] = str(comm_bytes.FR_BUFFER)
+        os.environ.setdefault(warmup_cache.CACHE_ENV, str(out / ".warmup_cache"))  # one for all
         code = mission_plan_run.main(
             ["--out", str(where), "--plan", f"--tp {tp} --ep {ep}", "--steps", str(STEPS)]
         )
