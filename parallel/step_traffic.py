@@ -14,7 +14,9 @@ whenever tp > 1:
   forward, EP   allgather dispatcher: L * g*t * (E + 4E + 2*H*b) (routing map, fp32 probs,
                 tokens gathered; the outputs reduce-scattered); alltoall: L * 2*t*k*H*b
   backward      TP: T*H*b + L * 3*T*H*b + T*H*b (sequence parallelism re-gathers the
-                attention input for its weight gradient); EP: L * g*t * (2*H*b + 4E)
+                attention input for its weight gradient); EP: L * g*t * (2*H*b + 4E);
+                with full recompute (the engine's `recompute: full`) each layer's forward
+                terms again
   gradients     TP: the all-reduce of the replicated parameters' grads (router, norms);
                 DP: the reduce-scatter of this rank's dense grads over dp and its expert grads
                 over edp; then the parameter all-gather, `param_gathers` times (megatron-core
@@ -58,7 +60,9 @@ def _forward(fit: ModelFit, tokens: int, b: int, dispatcher: str) -> dict[str, f
     return {"tp": tp, "ep": ep, "dp": 0.0}
 
 
-def _backward(fit: ModelFit, tokens: int, b: int, dispatcher: str) -> dict[str, float]:
+def _backward(
+    fit: ModelFit, tokens: int, b: int, dispatcher: str, recompute: str
+) -> dict[str, float]:
     s, p = fit.spec, fit.plan
     layers, h, e, g = s.num_layers, s.hidden_size, s.num_experts, p.etp * p.ep
     local = tokens / p.tp
@@ -69,6 +73,10 @@ def _backward(fit: ModelFit, tokens: int, b: int, dispatcher: str) -> dict[str, 
         ep = layers * g * local * (2 * h * b + 4 * e)
     else:
         ep = layers * 2 * local * s.top_k * h * b
+    if recompute == "full":  # the layers' forward again (embedding and head are not)
+        forward = _forward(fit, tokens, b, dispatcher)
+        tp += tokens * h * b * 2 * layers if p.tp > 1 else 0
+        ep += forward["ep"]
     return {"tp": tp, "ep": ep, "dp": 0.0}
 
 
@@ -111,6 +119,7 @@ def phase_bytes(
     value_bytes: int,
     dispatcher: str = "allgather",
     param_gathers: int = 2,
+    recompute: str = "none",
 ) -> dict[str, float]:
     """Bytes per rank of one engine call: an old-log-prob pass or an update over `tokens`
     (with its gradient reduce and parameter gather), or a weight sync."""
@@ -125,7 +134,7 @@ def phase_bytes(
         raise ValueError(f"no model of phase {phase!r}: old_log_prob, update or weight_sync")
     parts = (
         _forward(fit, tokens, b, dispatcher),
-        _backward(fit, tokens, b, dispatcher),
+        _backward(fit, tokens, b, dispatcher, recompute),
         _gradients(fit, b, param_gathers),
     )
     return {k: sum(part[k] for part in parts) for k in KINDS}
@@ -137,10 +146,11 @@ def step_bytes(
     value_bytes: int,
     dispatcher: str = "allgather",
     param_gathers: int = 2,
+    recompute: str = "none",
 ) -> dict[str, dict[str, float]]:
     """Bytes per rank of a step of one update: {phase: {kind: bytes}}."""
     return {
-        phase: phase_bytes(fit, phase, n, value_bytes, dispatcher, param_gathers)
+        phase: phase_bytes(fit, phase, n, value_bytes, dispatcher, param_gathers, recompute)
         for phase, n in (
             ("old_log_prob", tokens.old_log_prob),
             ("update", tokens.update),

@@ -33,7 +33,9 @@ def first_rows(out: Path, rank: int) -> dict[str, dict]:
     return rows
 
 
-def assert_model_matches(out: Path, world: int, model_dir, tp: int, ep: int) -> None:
+def assert_model_matches(
+    out: Path, world: int, model_dir, tp: int, ep: int, recompute: str = "none"
+) -> None:
     """Every rank's measured bytes against parallel.step_traffic for the plan."""
     from backend.qwen3_moe.config import load_qwen3_moe_spec
     from parallel.plan import ParallelPlan, check_against_model
@@ -45,7 +47,7 @@ def assert_model_matches(out: Path, world: int, model_dir, tp: int, ep: int) -> 
     for rank in range(world):
         rows = first_rows(out, rank)
         tokens = StepTokens(rows["old_log_prob"]["tokens"], rows["update"]["tokens"])
-        model = step_bytes(fit, tokens, value_bytes=4)
+        model = step_bytes(fit, tokens, value_bytes=4, recompute=recompute)
         for phase in ("old_log_prob", "update", "weight_sync"):
             got, want = rows[phase]["bytes"], model[phase]
             where = f"rank {rank} {phase} at tp{tp} x ep{ep}: {got} against {want}"
@@ -55,7 +57,7 @@ def assert_model_matches(out: Path, world: int, model_dir, tp: int, ep: int) -> 
         assert model["update"]["dp"] > 0 and model["update"]["ep"] > 0 and model["update"]["tp"] > 0
 
 
-def probe_rank(rank: int, hf_dir: str, tp: int, ep: int) -> int:
+def probe_rank(rank: int, hf_dir: str, tp: int, ep: int, recompute: str) -> int:
     """One old-log-prob pass, the weight stream, one DAPO update: what a step runs."""
     os.environ["VERL_ENGINE_DEVICE"] = "cpu"
     from backend.platform.device import prepare_device
@@ -66,7 +68,7 @@ def probe_rank(rank: int, hf_dir: str, tp: int, ep: int) -> int:
     from tests.recipes.test_verl_engine import build_engine
     from tests.recipes.test_verl_engine_multiproc import _batch, _loss
 
-    engine = build_engine(hf_dir, tp=tp, ep=ep)
+    engine = build_engine(hf_dir, tp=tp, ep=ep, recompute=recompute)
     data = _batch(2, engine.get_data_parallel_rank())
     with engine.eval_mode():
         old = engine.infer_batch(data)["model_output"]["log_probs"]
@@ -79,8 +81,9 @@ def probe_rank(rank: int, hf_dir: str, tp: int, ep: int) -> int:
 
 @pytest.mark.slow
 def test_tp2_ep2_moves_what_the_traffic_model_says(tmp_path, monkeypatch):
-    """Catches a collective on the wrong group (megatron's dispatch group counted as TP), a
-    phase that moves more than its plan needs (a second weight gather, a gradient all-reduce
+    """With full recompute, as the CPU run trains (tp4 x ep8 without it: the mission plan's
+    test). Catches a collective on the wrong group (megatron's dispatch group counted as TP),
+    a phase that moves more than its plan needs (a second weight gather, a gradient all-reduce
     where a reduce-scatter is due), and a model that forgot a term."""
     from tests.recipes.test_verl_engine_mission_plan import SHAPE
     from tests.support.model_dirs import built
@@ -88,8 +91,8 @@ def test_tp2_ep2_moves_what_the_traffic_model_says(tmp_path, monkeypatch):
     model_dir = built(tmp_path / "model", SHAPE)
     out = tmp_path / "comm"
     comm_env(monkeypatch, out)
-    assert run_ranks(probe_rank, 4, str(model_dir), 2, 2, timeout=600) == [0, 1, 2, 3]
-    assert_model_matches(out, 4, model_dir, tp=2, ep=2)
+    assert run_ranks(probe_rank, 4, str(model_dir), 2, 2, "full", timeout=600) == [0, 1, 2, 3]
+    assert_model_matches(out, 4, model_dir, tp=2, ep=2, recompute="full")
 
 
 def entry(op: str, inputs, outputs, dtype="Float", group=("3", "TENSOR_MODEL_PARALLEL_GROUP")):

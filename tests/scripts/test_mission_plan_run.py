@@ -30,10 +30,10 @@ def test_the_sampler_counts_the_launchs_tree_and_nothing_else():
 
 
 def test_the_scale_table_counts_bytes_per_trained_step():
-    """scale_table's per-rank figures: the weight sync before step 1 left out, every call's
-    bytes summed and divided by the steps, the model taken call by call on the same tokens,
-    the save's collectives apart. A table that divided by calls instead of steps, or counted
-    the first sync, would show another plan's traffic."""
+    """scale_table's per-rank figures: the warm-up's rows and the weight sync before step 1
+    left out, every call's bytes summed and divided by the steps, the model taken call by call
+    on the same tokens, the save's collectives apart. A table that divided by calls instead
+    of steps, or counted the warm-up or the first sync, would show another plan's traffic."""
     from backend.qwen3_moe.config import spec_from_config
     from parallel.models import MINI_QWEN3_MOE
     from parallel.plan import ParallelPlan, check_against_model
@@ -47,7 +47,8 @@ def test_the_scale_table_counts_bytes_per_trained_step():
         return {"phase": phase, "tokens": tokens,
                 "bytes": {"tp": tp, "ep": ep, "dp": dp, "pp": 0, "other": other}}  # fmt: skip
 
-    rows = [row("weight_sync", 0, 999, 999, 0)]  # the rollout's first weights
+    warmup = [row("update", 64, 0, 0, 0), row("old_log_prob", 64, 0, 0, 0)]  # SFT, world 1
+    rows = [*warmup, row("weight_sync", 0, 999, 999, 0)]  # then the rollout's first weights
     for tokens in (100, 300):  # two steps
         rows += [row("old_log_prob", tokens, 10, 20, 1), row("update", tokens, 30, 40, 50),
                  row("weight_sync", 0, 5, 6, 0), row("save", 0, 0, 0, 0, other=7)]  # fmt: skip

@@ -50,11 +50,12 @@ def rank_rows(comm_dir: Path) -> dict[int, list[dict]]:
     }
 
 
-def per_step(rows: list[dict], fit) -> dict:
-    """One rank's bytes per trained step by kind, measured and modelled call by call; the
-    weight sync before step 1 (the rollout's first weights) is left out."""
-    first = next(i for i, r in enumerate(rows) if r["phase"] == "old_log_prob")
-    rows = rows[first:]
+def per_step(rows: list[dict], fit, recompute: str = "none") -> dict:
+    """One rank's bytes per trained step by kind, measured and modelled call by call. The
+    RL run starts at its first weight sync (the rollout's first weights, left out): rows
+    before it are the SFT warm-up's (rank 0 of a world of one: nothing moves)."""
+    first = next(i for i, r in enumerate(rows) if r["phase"] == "weight_sync")
+    rows = rows[first + 1 :]
     steps = sum(r["phase"] == "old_log_prob" for r in rows)
     measured = dict.fromkeys(KINDS, 0.0)
     model = dict.fromkeys(KINDS, 0.0)
@@ -65,7 +66,7 @@ def per_step(rows: list[dict], fit) -> dict:
             continue
         for k in KINDS:
             measured[k] += r["bytes"][k]
-        for k, v in phase_bytes(fit, r["phase"], r["tokens"], value_bytes=4).items():
+        for k, v in phase_bytes(fit, r["phase"], r["tokens"], 4, recompute=recompute).items():
             model[k] += v
     tokens = sum(r["tokens"] for r in rows if r["phase"] == "update") / steps
     return {
@@ -77,15 +78,24 @@ def per_step(rows: list[dict], fit) -> dict:
     }
 
 
-def comm_summary(comm_dir: Path, fit) -> dict:
+def comm_summary(comm_dir: Path, fit, recompute: str) -> dict:
     """Mean and max over ranks of the per-step bytes, measured and modelled."""
-    ranks = [per_step(rows, fit) for rows in rank_rows(comm_dir).values()]
+    ranks = [per_step(rows, fit, recompute) for rows in rank_rows(comm_dir).values()]
     out = {"ranks": len(ranks), "steps": ranks[0]["steps"]}
     for what in ("measured", "model"):
         out[what] = {k: statistics.fmean(r[what][k] for r in ranks) for k in KINDS}
     out["measured_max"] = {k: max(r["measured"][k] for r in ranks) for k in KINDS}
     out["other_phases"] = statistics.fmean(r["other_phases"] for r in ranks)
     return out
+
+
+def engine_recompute(run_dir: Path) -> str:
+    """The engine's activation recompute in the run's resolved config (full recompute runs
+    each layer's forward, and its collectives, again in the backward)."""
+    import yaml
+
+    config = yaml.safe_load((run_dir / "checkpoints/hydra/.hydra/config.yaml").read_text())
+    return str(config["actor_rollout_ref"]["actor"]["mcore_ep"]["recompute"])
 
 
 def measure(name: str, out: Path) -> dict:
@@ -102,13 +112,11 @@ def measure(name: str, out: Path) -> dict:
         if code != 0:
             raise SystemExit(f"{name}: the launch exited {code}: see {where / 'console.log'}")
     run = json.loads((where / "mission_plan_run.json").read_text())
-    fit = plan_for_model(
+    spec, recompute = (
         load_qwen3_moe_spec(where / "run" / "mini_hf"),
-        nodes=1,
-        devices_per_node=world,
-        tp=tp,
-        ep=ep,
+        engine_recompute(where / "run"),
     )
+    fit = plan_for_model(spec, nodes=1, devices_per_node=world, tp=tp, ep=ep)
     by_title = run["peak_rss_mib_by_title"].items()
     actors = [mib for title, mibs in by_title if title.startswith(ACTOR_TITLE) for mib in mibs]
     return {
@@ -117,7 +125,8 @@ def measure(name: str, out: Path) -> dict:
         "phases_mean_s": run["phases_mean_s"],
         "actor_peak_rss_mib": max(actors) if actors else None,
         "peak_total_pss_mib": run["peak_total_pss_mib"],
-        "comm": comm_summary(comm_dir, fit) if world > 1 else None,
+        "recompute": recompute,
+        "comm": comm_summary(comm_dir, fit, recompute) if world > 1 else None,
     }
 
 
