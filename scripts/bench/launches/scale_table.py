@@ -130,14 +130,30 @@ def measure(name: str, out: Path) -> dict:
     }
 
 
+def cluster_recompute() -> str:
+    """The recompute the launcher picks for the full model at tp4 x ep8 on H100s (its memory
+    model: the least whose update fits), read from its resolved overrides."""
+    from recipes.dapo.job import overrides
+    from recipes.launcher.arguments import build_parser, split_argv
+    from recipes.launcher.resolution import resolve
+    from recipes.launcher.run_spec import from_args
+
+    own, extra = split_argv(["--device", "cuda", "--tp", "4", "--ep", "8", "--dry-run"])
+    groups = resolve(from_args(build_parser().parse_args(own), extra)).groups
+    return str(overrides.value_of(groups, f"{overrides.ACTOR}.{overrides.BACKEND}.recompute"))
+
+
 def cluster_row() -> dict:
     fit = plan_for_model(load_spec(), nodes=4, devices_per_node=8, tp=4, ep=8)
     tokens = CLUSTER_SAMPLES * CLUSTER_SAMPLE_TOKENS // fit.plan.dp
+    recompute = cluster_recompute()
     model = dict.fromkeys(KINDS, 0.0)
     for phase in MODELLED:
-        for k, v in phase_bytes(fit, phase, tokens, 2, dispatcher="alltoall").items():
+        bytes_ = phase_bytes(fit, phase, tokens, 2, dispatcher="alltoall", recompute=recompute)
+        for k, v in bytes_.items():
             model[k] += v
-    return {"plan": fit.plan.describe(), "update_tokens": tokens, "model": model}
+    return {"plan": fit.plan.describe(), "update_tokens": tokens, "recompute": recompute,
+            "model": model}  # fmt: skip
 
 
 def mb(x: float) -> str:
@@ -167,7 +183,8 @@ def table(rows: dict, cluster: dict) -> str:
         )
     gb = " / ".join(f"{cluster['model'][k] / 1e9:,.1f} GB" for k in KINDS)
     lines.append(f"\nQwen3-30B-A3B, {cluster['plan']}, {cluster['update_tokens']:,} tokens a DP "
-                 f"rank per step (bf16, alltoall), model per rank per step: TP / EP / DP {gb}")  # fmt: skip
+                 f"rank per step (bf16, alltoall, recompute {cluster['recompute']}), model per "
+                 f"rank per step: TP / EP / DP {gb}")  # fmt: skip
     return "\n".join(lines)
 
 
