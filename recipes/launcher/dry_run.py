@@ -60,7 +60,10 @@ def mode_lines(resolved) -> list[str]:
     from recipes.dapo.job import trainer_modes
 
     run = resolved.run
-    values = {"sync_step": overrides.value_of(resolved.groups, trainer_modes.SYNC_STEP)}
+    values = {
+        "sync_step": overrides.value_of(resolved.groups, trainer_modes.SYNC_STEP),
+        "bypass_mode": overrides.value_of(resolved.groups, trainer_modes.BYPASS),
+    }
     sp = trainer_modes.run_split(run)
     lines = trainer_modes.describe(run.trainer_mode, run.device, sp, values)
     if sp.rollout_nodes and resolved.model_fit is not None:  # a cluster's rollout devices

@@ -122,6 +122,7 @@ def check_mode(mode: str, groups: dict[str, dict]) -> None:
         "train_batch": of("data.train_batch_size"),
         "mini_batch": of(f"{overrides.ACTOR}.ppo_mini_batch_size"),
         "sync_step": of(trainer_modes.SYNC_STEP),
+        "bypass_mode": of(trainer_modes.BYPASS),
     })  # fmt: skip
 
 

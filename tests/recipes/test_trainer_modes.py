@@ -31,7 +31,12 @@ def test_separate_async_on_the_cluster_gives_the_rollout_half_the_nodes(device, 
     res = resolved(["--device", device, "--trainer-mode", "separate_async"])
     assert (res.run.plan.world, res.run.plan.nodes, res.run.rollout_nodes) == (16, 2, 2)
     kv = cli(res)
-    assert kv["trainer.v1.trainer_mode"] == "separate_async"
+    # verl's separate_async trainer under our name (decoupled PPO with mcore_ep), its section
+    # an alias of verl's, its module imported by verl in every process of the job
+    assert kv["trainer.v1.trainer_mode"] == trainer_modes.DECOUPLED_MODE
+    assert kv[f"+trainer.v1.{trainer_modes.DECOUPLED_MODE}"] == "${trainer.v1.separate_async}"
+    env = f"+ray_kwargs.ray_init.runtime_env.env_vars.{trainer_modes.MODULES_ENV}"
+    assert kv[env] == f"'{trainer_modes.DECOUPLED_MODULE}'"  # quoted: Ray wants a str
     assert kv["trainer.nnodes"] == "2"
     assert (
         kv["actor_rollout_ref.rollout.nnodes"],
@@ -40,14 +45,15 @@ def test_separate_async_on_the_cluster_gives_the_rollout_half_the_nodes(device, 
     assert kv["actor_rollout_ref.rollout.checkpoint_engine.backend"] == channel
     # the DAPO step is one mini-batch: verl's assert train_batch = sync step x mini-batch
     assert kv[trainer_modes.SYNC_STEP] == "1"
-    assert kv["algorithm.rollout_correction.bypass_mode"] == "true"
-    assert "algorithm.rollout_correction.rollout_is" not in kv  # inert in bypass mode
+    assert kv["algorithm.rollout_correction.bypass_mode"] == "false"  # decoupled
+    assert kv["algorithm.rollout_correction.rollout_is"] == "token"  # applied in decoupled mode
     assert "global_counts:counting_pass" in kv[f"{overrides.ENGINE}.aux_loss"]
     text = res.describe()
     assert (
         f"devices: trainer 2 x 8, rollout 2 x 8 (its own vLLM engines); weights over {channel}"
         in text
     )
+    assert "old log-probs: recomputed with the cycle's first weights (decoupled PPO" in text
     assert "rollout devices: 8 vLLM engines of TP 2" in text
     # the seed's phases: full overlap 310.6 / 161.7; on half the devices each, no gain
     assert "bounds it at 161.7 s (1.92x)" in text
@@ -60,6 +66,9 @@ def test_the_embedded_run_adds_one_rollout_device_and_the_gloo_channel(tmp_path)
     )
     kv = cli(res)
     assert kv["+ray_kwargs.ray_init.num_gpus"] == "2"  # the trainer's rank and vLLM's engine
+    # the CPU platform's module first (verl imports them in order), then the trainer's
+    env = f"+ray_kwargs.ray_init.runtime_env.env_vars.{trainer_modes.MODULES_ENV}"
+    assert kv[env] == f"'recipes.local.cpu.platform,{trainer_modes.DECOUPLED_MODULE}'"
     assert kv["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "gloo"
     assert (
         kv["actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"]
@@ -101,8 +110,12 @@ def test_sync_stays_as_it_was_and_colocate_adds_only_the_mode_and_tis(tmp_path):
         ),
         (
             ["--model", "tiny"],
-            ["+actor_rollout_ref.actor.mcore_ep.router_replay=R2"],
-            "router_replay R2 records routes in the old-log-prob pass, which separate_async skips",
+            [
+                "+actor_rollout_ref.actor.mcore_ep.router_replay=R2",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ],
+            "router_replay R2 records routes in the old-log-prob pass, which separate_async "
+            "skips in bypass mode",
         ),
         (
             ["--model", "tiny"],
@@ -118,6 +131,13 @@ def test_a_separate_async_that_cannot_work_is_refused_in_one_line(argv, extra, m
         argv += ["--ckpt-dir", str(tmp_path)]
     with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolved(argv, extra)
+
+
+def test_r2_runs_in_separate_async_with_decoupled_ppo(tmp_path):
+    """Decoupled PPO runs the old-log-prob pass that records R2's routes: accepted."""
+    argv = ["--model", "tiny", "--ckpt-dir", str(tmp_path), "--trainer-mode", "separate_async"]
+    res = resolved(argv, ["+actor_rollout_ref.actor.mcore_ep.router_replay=R2"])
+    assert cli(res)["algorithm.rollout_correction.bypass_mode"] == "false"
 
 
 def test_the_launcher_exits_2_with_the_line(capsys):

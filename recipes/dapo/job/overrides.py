@@ -256,10 +256,17 @@ def with_trainer_mode(run: JobSpec, groups: dict[str, dict]) -> dict[str, dict]:
     sp = trainer_modes.run_split(run)
     batch = int(value_of(groups, "data.train_batch_size"))
     mini = int(value_of(groups, f"{ACTOR}.ppo_mini_batch_size"))
-    mode = trainer_modes.overrides(run.trainer_mode, run.device, sp, batch, mini)
+    mode = trainer_modes.overrides(run.trainer_mode, run.device, sp, batch, mini, run.engine)
     if mode:
         groups["trainer_mode"] = mode
-    if run.trainer_mode == "separate_async":  # no old-log-prob pass to count f in (bypass)
+    if trainer_modes.decoupled(run.trainer_mode, run.engine):
+        groups["trainer"]["trainer.v1.trainer_mode"] = trainer_modes.DECOUPLED_MODE
+        env = f"+ray_kwargs.ray_init.runtime_env.env_vars.{trainer_modes.MODULES_ENV}"
+        existing = run.env.get(trainer_modes.MODULES_ENV)
+        groups["ray_env"][env] = quoted(trainer_modes.external_modules(existing))
+    # the old-log-prob pass is skipped (bypass) or runs on the cycle's first weights
+    # (decoupled): the aux loss counts f in a pass of its own
+    if run.trainer_mode == "separate_async":
         groups["engine"][f"{ENGINE}.aux_loss"] = _hydra_dict(
             {**AUX_LOSS, "global_counts": "counting_pass"}
         )

@@ -8,17 +8,20 @@
   cuda, our gloo channel on cpu (recipes.dapo.engine.weight_channel). verl asserts that a step is
   `parameter_sync_step` mini-batches (trainer_separate_async.py:59).
 
-What separate_async changes for our engine: verl recomputes the old log-probs at the start of
-a sync cycle ("decoupled" PPO) only for its own engines: its DetachActorWorker saves and
-restores the weights with FSDP / Megatron helpers picked by `actor.strategy` and has no
-extension point. So the run uses verl's bypass mode (old log-probs = the rollout's, PPO's
-clipped ratio against the policy that generated the tokens), which R2 cannot run with (its
-routes come from the skipped pass), and the aux loss counts f in its own counting pass.
+What separate_async changes for our engine: verl recomputes the old log-probs of a sync
+cycle's later mini-batches with the weights that started it ("decoupled" PPO), saving and
+restoring them through its DetachActorWorker, which knows verl's own strategies only. With
+mcore_ep the run names verl's trainer `mcore_separate_async` (recipes.dapo.engine.decoupled:
+verl's separate_async trainer registered under that name, its actor workers answering the
+save / restore for our engine), whose config section aliases `trainer.v1.separate_async`.
+Other engines keep verl's bypass mode (old log-probs = the rollout's), in which R2 cannot run
+(its routes come from the skipped pass). The aux loss counts f in its own counting pass
+(the old-log-prob pass runs on pi_old's weights in decoupled mode).
 
-The rollout correction of each async mode: colocate_async turns on verl's token-level TIS
-(weights truncated at 2) on its decoupled old log-probs; in separate_async's bypass mode it is
-PPO's clipped ratio to the rollout's own log-probs (verl's V1 trainer applies IS weights only
-in decoupled mode, so TIS would be inert there and is not set).
+The rollout correction: both async modes turn on verl's token-level TIS (weights truncated
+at 2) on the decoupled old log-probs; in bypass mode it is PPO's clipped ratio to the
+rollout's own log-probs (verl's V1 trainer applies IS weights only in decoupled mode, so TIS
+would be inert there and is not set).
 """
 
 from dataclasses import dataclass
@@ -35,6 +38,11 @@ R = "actor_rollout_ref.rollout"
 SEED_STEP_S = 310.6
 SEED_PHASES_S = {"gen": 161.7, "update": 130.1, "old_log_prob": 16.4, "reshard": 10.9}
 SYNC_STEP = "trainer.v1.separate_async.parameter_sync_step"
+# recipes.dapo.engine.decoupled (not imported here: it imports verl's trainers)
+DECOUPLED_MODE = "mcore_separate_async"
+DECOUPLED_MODULE = "recipes.dapo.engine.decoupled"
+MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
+BYPASS = "algorithm.rollout_correction.bypass_mode"
 
 
 @dataclass(frozen=True)
@@ -72,20 +80,45 @@ def run_split(run) -> Split:
     return Split(run.plan.nodes, run.rollout_nodes, per_node)
 
 
-def overrides(mode: str, device: str, sp: Split, train_batch: int, mini_batch: int) -> dict:
+def decoupled(mode: str, engine: str) -> bool:
+    """separate_async with our engine: verl's decoupled PPO through mcore_separate_async."""
+    from recipes.dapo import BACKEND
+
+    return mode == "separate_async" and engine == BACKEND
+
+
+def verl_mode(mode: str, engine: str) -> str:
+    """The name verl's trainer registry is asked for (trainer.v1.trainer_mode)."""
+    return DECOUPLED_MODE if decoupled(mode, engine) else mode
+
+
+def external_modules(existing: str | None) -> str:
+    """VERL_USE_EXTERNAL_MODULES with the decoupled trainer's module added: verl imports them
+    in every process, the TaskRunner included, before it looks the trainer up."""
+    modules = [m for m in (existing or "").split(",") if m]
+    return ",".join([*modules, DECOUPLED_MODULE])
+
+
+def overrides(
+    mode: str, device: str, sp: Split, train_batch: int, mini_batch: int, engine: str
+) -> dict:
     """What the mode needs in verl's config besides trainer.v1.trainer_mode (the trainer
-    group sets it): nothing for sync."""
+    group sets it) and the job's environment: nothing for sync."""
+    tis = {f"algorithm.rollout_correction.{k}": v for k, v in TIS.items()}
     if mode == "sync":
         return {}
     if mode == "colocate_async":
-        return {f"algorithm.rollout_correction.{k}": v for k, v in TIS.items()}
+        return tis
     values = {
         SYNC_STEP: sync_step(train_batch, mini_batch),
         f"{R}.nnodes": sp.rollout_nodes,
         f"{R}.n_gpus_per_node": sp.devices_per_node,
         f"{R}.checkpoint_engine.backend": CHANNELS[device],
-        "algorithm.rollout_correction.bypass_mode": True,
+        BYPASS: not decoupled(mode, engine),
     }  # fmt: skip
+    if decoupled(mode, engine):
+        values.update(tis)
+        values[f"+trainer.v1.{DECOUPLED_MODE}"] = "${trainer.v1.separate_async}"
     if device == "cpu":
         values[f"{R}.checkpoint_engine.custom_backend_module"] = CPU_CHANNEL_MODULE
     return values
@@ -105,10 +138,12 @@ def check_values(mode: str, values: dict) -> None:
     """After pass-through overrides: combinations verl or our engine refuse later, in one line.
     values: config path -> value (recipes.dapo.job.overrides.value_of)."""
     replay = str(values.get("router_replay") or "disabled")
-    if mode == "separate_async" and replay == "R2":
+    bypass = str(values.get("bypass_mode")).lower() == "true"
+    if mode == "separate_async" and replay == "R2" and bypass:
         raise LaunchError(
             "router_replay R2 records routes in the old-log-prob pass, which separate_async "
-            "skips (bypass mode): use R3 (the rollout's routes) or --trainer-mode colocate_async"
+            "skips in bypass mode: drop algorithm.rollout_correction.bypass_mode=true "
+            "(decoupled PPO runs the pass), use R3 or --trainer-mode colocate_async"
         )
     if mode != "separate_async":
         return
@@ -145,17 +180,21 @@ def describe(mode: str, device: str, sp: Split, values: dict) -> list[str]:
     """The dry run's lines for the mode."""
     if mode == "sync":
         return ["trainer mode: sync (generate, then train, on the same devices)"]
+    bypass = str(values.get("bypass_mode")).lower() == "true"
     tis = f"TIS (token, weights <= {TIS['rollout_is_threshold']:g})"
-    bypass = "PPO's clip on the ratio to the rollout's log-probs (bypass)"
-    lines = [
-        f"trainer mode: {mode}, rollout correction {tis if mode == 'colocate_async' else bypass}"
-    ]
+    clip = "PPO's clip on the ratio to the rollout's log-probs (bypass)"
+    lines = [f"trainer mode: {mode}, rollout correction {clip if bypass else tis}"]
     if mode == "separate_async":
+        old = (
+            "the rollout's (verl's bypass mode)"
+            if bypass
+            else "recomputed with the cycle's first weights (decoupled PPO, one host copy)"
+        )
         lines.append(
             f"  devices: trainer {sp.trainer_nodes} x {sp.devices_per_node}, rollout "
             f"{sp.rollout_nodes} x {sp.devices_per_node} (its own vLLM engines); weights over "
             f"{CHANNELS[device]} after every step ({values['sync_step']} mini-batch updates); "
-            "old log-probs: the rollout's (verl's bypass mode)"
+            f"old log-probs: {old}"
         )
     return lines + estimate_lines(mode, sp)
 
