@@ -152,13 +152,13 @@ def _startup_parts(summary: dict) -> str:
 
 def print_summary(summary: dict) -> None:
     reached = summary["first_step_at_target"]
-    when = (f"step {reached} ({summary['seconds_to_target']}s from launch)"
-            if reached is not None else "never")  # fmt: skip
+    when = (f"first at step {reached} ({summary['seconds_to_target']}s from launch)"
+            if reached is not None else "not reached")  # fmt: skip
     start, final = summary["start_reward"], summary["final_reward"]
     if start is not None:
         print(f"validation reward {start:.3f} -> {final:.3f} over {summary['steps']} steps "
               f"(accuracy {summary['final_accuracy']:.2f}); >= {summary['target_reward']:g} "
-              f"first at {when}")  # fmt: skip
+              f"{when}")  # fmt: skip
     print(
         f"{summary['steps_per_min']} steps/min; start-up {summary['startup_s']}s"
         + _startup_parts(summary)

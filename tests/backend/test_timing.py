@@ -334,3 +334,17 @@ def test_run_summary_splits_the_step_into_phases_and_names_the_warm_ups_start_up
     print_summary(write_summary(tmp_path, history, 0.9, {}, 400.0, 80.0, startup_parts_s=reused))
     assert ("start-up 80.0s (model and data 3.0s, the warm-up reused, verl 56.6s, the first "
             "validation 20.0s)") in capsys.readouterr().out  # fmt: skip
+
+
+def test_run_summary_says_when_the_target_was_reached_or_not(tmp_path, capsys):
+    """Catches the line `>= 0.9 first at never` (a run whose validation stays below)."""
+    from recipes.local.summary import ACC_KEY, REWARD_KEY, print_summary, write_summary
+
+    def history(final: float) -> list[dict]:
+        return [{"step": 0, REWARD_KEY: -0.1, ACC_KEY: 0.4},
+                {"step": 5, REWARD_KEY: final, ACC_KEY: 0.8}]  # fmt: skip
+
+    print_summary(write_summary(tmp_path, history(0.586), 0.9, {}, wall_s=300.0, startup_s=80.0))
+    assert "(accuracy 0.80); >= 0.9 not reached\n" in capsys.readouterr().out
+    print_summary(write_summary(tmp_path, history(0.95), 0.9, {}, wall_s=300.0, startup_s=80.0))
+    assert "; >= 0.9 first at step 5 (" in capsys.readouterr().out
