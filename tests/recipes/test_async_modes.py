@@ -10,6 +10,7 @@ import pytest
 from backend.shared.errors import CheckpointError
 from converters.pickles.queue_state import check_queue_state
 from recipes.dapo.console.step_line import LAG_LEGEND
+from recipes.dapo.job.trainer_modes import DECOUPLED_MODE
 from tests.recipes.test_verl_cpu_trainer import STEP_ROW, history, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.trainer_flow]  # 0.16.1 set only (pyproject.toml)
@@ -73,7 +74,7 @@ def test_the_queue_state_verl_wrote_passes_the_resume_check(separate_run, tmp_pa
     queue = out / "global_step_3" / "transfer_queue"
     assert check_queue_state(queue) >= 2  # genuine state passes the allow-list
     groups = {"trainer": {"trainer.default_local_dir": str(out), "trainer.resume_mode": "auto",
-                          "trainer.v1.trainer_mode": "separate_async"}}  # fmt: skip
+                          "trainer.v1.trainer_mode": DECOUPLED_MODE}}  # fmt: skip
     assert resume.check_resume(groups, tmp_path) == out / "global_step_3"
     storage = next(p for p in sorted(queue.rglob("*")) if p.is_file())
     storage.write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # a pickle that would run a command
