@@ -72,29 +72,50 @@ def test_restoring_what_was_never_saved_is_refused():
 @pytest.fixture
 def engine(world1, tiny_hf_dir, monkeypatch):
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
-    return build_engine(tiny_hf_dir)
+    return build_engine(tiny_hf_dir, param_offload=True, optimizer_offload=True)
+
+
+def our_worker(engine):
+    """Our DetachActorWorker around `engine`, without Ray (the calls verl dispatches to it)."""
+    from types import SimpleNamespace
+
+    from recipes.dapo.engine import decoupled
+
+    worker = object.__new__(decoupled.McoreDetachActorWorker)
+    worker.actor = SimpleNamespace(engine=engine)
+    worker.config = SimpleNamespace(actor=SimpleNamespace(strategy=decoupled.BACKEND))
+    return worker
 
 
 def test_the_engine_recomputes_pi_olds_log_probs_and_trains_on(engine):
-    """The mcore_ep engine: after an update, restoring the cycle's first weights gives its
-    log-probs bit for bit; restoring the step's gives the updated parameters back exactly."""
-    data = make_batch()
+    """Through our worker's three calls, in verl's order, with the weights offloaded as verl
+    leaves them between passes: restoring the cycle's first weights gives its log-probs bit
+    for bit, restoring the step's gives the updated parameters back, and the weights are
+    offloaded again after each call. Catches a snapshot read from the freed buffers of an
+    offloaded model (it segfaulted the actor rank at step 1 of a separate_async run)."""
+    data, worker = make_batch(), our_worker(engine)
     _on_policy(engine, data)
     with engine.eval_mode():
         before = engine.infer_batch(data)["model_output"]["log_probs"].values().clone()
-    snapshots = HostSnapshots(engine.module)
-    snapshots.save(0)
+    engine.offload()
+    worker.save_model_to_cpu(0)
+    assert engine.optim.is_offloaded()
     with engine.train_mode():
         engine.train_batch(data, loss_function=partial(ppo_loss, config=dapo_actor_config()))
-    updated = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    snapshots.save(1)
-    snapshots.restore(0)
+    with engine.weights_loaded() as module:
+        updated = {n: p.detach().clone() for n, p in module.named_parameters()}
+    engine.offload()
+    worker.save_model_to_cpu(1)
+    worker.restore_model_from_cpu(0)
+    assert engine.optim.is_offloaded()
     with engine.eval_mode():
         old = engine.infer_batch(data)["model_output"]["log_probs"].values()
     assert torch.equal(old, before)
-    snapshots.restore(1)
-    snapshots.clear(1)
-    assert all(torch.equal(updated[n], p) for n, p in engine.module.named_parameters())
+    engine.offload()
+    worker.restore_model_from_cpu(1)
+    worker.clear_cpu_model(1)
+    with engine.weights_loaded() as module:
+        assert all(torch.equal(updated[n], p) for n, p in module.named_parameters())
 
 
 def test_verls_worker_and_trainer_extended_not_replaced():

@@ -73,10 +73,18 @@ check_verl()  # before verl's classes are extended below
 class McoreDetachActorWorker(DetachActorWorker):
     """verl's DetachActorWorker; our engine's weights kept by HostSnapshots."""
 
-    def _snapshots(self) -> HostSnapshots:
+    def _snapshot(self, op: str, n: int) -> None:
+        """HostSnapshots' `op`, the engine's weights loaded first when it touches them (verl
+        calls these while they are offloaded: their buffers freed)."""
+        engine = self.actor.engine
         if getattr(self, "_host_snapshots", None) is None:
-            self._host_snapshots = HostSnapshots(self.actor.engine.module)
-        return self._host_snapshots
+            self._host_snapshots = HostSnapshots(engine.module)  # views: valid across offload
+        snapshots = self._host_snapshots
+        if not snapshots.touches_weights(op, n):
+            getattr(snapshots, op)(n)
+            return
+        with engine.weights_loaded():
+            getattr(snapshots, op)(n)
 
     def _ours(self) -> bool:
         return self.config.actor.strategy == BACKEND
@@ -85,19 +93,19 @@ class McoreDetachActorWorker(DetachActorWorker):
     def save_model_to_cpu(self, n):
         if not self._ours():
             return super().save_model_to_cpu(n)
-        self._snapshots().save(n)
+        self._snapshot("save", n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def restore_model_from_cpu(self, n):
         if not self._ours():
             return super().restore_model_from_cpu(n)
-        self._snapshots().restore(n)
+        self._snapshot("restore", n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def clear_cpu_model(self, n):
         if not self._ours():
             return super().clear_cpu_model(n)
-        self._snapshots().clear(n)
+        self._snapshot("clear", n)
 
 
 @register_trainer(MODE)

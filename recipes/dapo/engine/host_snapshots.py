@@ -21,10 +21,20 @@ class HostSnapshots:
         self.held: int | None = None
         self.live: int | None = None  # the label the live weights carry (set by save)
 
+    def touches_weights(self, op: str, n: int) -> bool:
+        """Whether `op`(n) reads or writes the parameters (a caller that offloads them loads
+        them first only then)."""
+        if op == "save":
+            return self._copies(n)
+        return op == "restore" and self.live != n
+
+    def _copies(self, n: int) -> bool:
+        return self.copy is None or n == 0 or self.held is None
+
     def save(self, n: int) -> None:
         """Remember the live weights as `n`: copied if nothing is held yet or n is 0 (a
         cycle's pi_old); otherwise only labelled (restore swaps them out when needed)."""
-        if self.copy is None or n == 0 or self.held is None:
+        if self._copies(n):
             with torch.no_grad():
                 if self.copy is None:
                     self.copy = [p.detach().to("cpu", copy=True) for p in self.params]

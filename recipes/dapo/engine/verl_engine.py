@@ -38,6 +38,7 @@ do the work. How the BaseEngine calls verl's workers make map onto our code:
                       agreement and log-prob mismatch
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -224,6 +225,19 @@ class McoreEpEngine(BaseEngine):
                 self.optim.offload(model=model, optimizer=optimizer)
             elif model:  # forward-only (reference) module, no DDP buffers
                 self.module.to("cpu")
+
+    @contextlib.contextmanager
+    def weights_loaded(self):
+        """The parameters readable inside (verl's offload frees the DDP buffers they view),
+        offloaded again after if they were: decoupled PPO's host snapshots read them."""
+        offloaded = self.optim is not None and self.optim.is_offloaded()
+        if offloaded:
+            self.onload(model=True, optimizer=False, grad=False)
+        try:
+            yield self.module
+        finally:
+            if offloaded:
+                self.offload(model=True, optimizer=False)
 
     def onload(self, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         with self.timer.between_steps("onload"):
