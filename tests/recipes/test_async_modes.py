@@ -51,6 +51,16 @@ def test_separate_async_trains_from_its_own_rollout_fed_over_gloo(separate_run):
     assert "export reloads in transformers" in proc.stdout
 
 
+def test_separate_async_runs_decoupled_ppo_on_our_engine(separate_run):
+    """verl's decoupled PPO (recipes.dapo.engine.decoupled): the old-log-prob pass runs on our
+    engine each step and TIS weights the update, truncated at 2. Bug caught: the bypass mode
+    back (no pass, no IS), or verl's DetachActorWorker refusing mcore_ep at step 1."""
+    out, _ = separate_run
+    for row in rows_of(out):
+        assert row["actor/moe/old_log_prob/tokens"] > 0
+        assert 0 < row["rollout_corr/rollout_is_mean"] <= row["rollout_corr/rollout_is_max"] <= 2.0
+
+
 def test_the_console_shows_the_lag(separate_run):
     out, proc = separate_run
     shown = proc.stdout.splitlines()
