@@ -39,6 +39,17 @@ KINDS = ("tp", "ep", "dp")
 
 
 @dataclass(frozen=True)
+class Settings:
+    """How the engine runs: bytes a value (4 in the CPU run's fp32, 2 in bf16), megatron's
+    token dispatcher, parameter gathers per update, activation recompute."""
+
+    value_bytes: int
+    dispatcher: str = "allgather"  # the accelerators': alltoall
+    param_gathers: int = 2
+    recompute: str = "none"  # "full" repeats each layer's forward in the backward
+
+
+@dataclass(frozen=True)
 class StepTokens:
     """Tokens one rank runs per step: the old-log-prob pass and the update (padded)."""
 
@@ -112,20 +123,12 @@ def _weight_sync(fit: ModelFit, b: int) -> dict[str, float]:
     }
 
 
-def phase_bytes(
-    fit: ModelFit,
-    phase: str,
-    tokens: int,
-    value_bytes: int,
-    dispatcher: str = "allgather",
-    param_gathers: int = 2,
-    recompute: str = "none",
-) -> dict[str, float]:
+def phase_bytes(fit: ModelFit, phase: str, tokens: int, how: Settings) -> dict[str, float]:
     """Bytes per rank of one engine call: an old-log-prob pass or an update over `tokens`
     (with its gradient reduce and parameter gather), or a weight sync."""
     if fit.plan.pp != 1:
         raise ValueError(f"the traffic model covers pp=1, not pp={fit.plan.pp}")
-    b = value_bytes
+    b, dispatcher = how.value_bytes, how.dispatcher
     if phase == "old_log_prob":
         return _forward(fit, tokens, b, dispatcher)
     if phase == "weight_sync":
@@ -134,26 +137,13 @@ def phase_bytes(
         raise ValueError(f"no model of phase {phase!r}: old_log_prob, update or weight_sync")
     parts = (
         _forward(fit, tokens, b, dispatcher),
-        _backward(fit, tokens, b, dispatcher, recompute),
-        _gradients(fit, b, param_gathers),
+        _backward(fit, tokens, b, dispatcher, how.recompute),
+        _gradients(fit, b, how.param_gathers),
     )
     return {k: sum(part[k] for part in parts) for k in KINDS}
 
 
-def step_bytes(
-    fit: ModelFit,
-    tokens: StepTokens,
-    value_bytes: int,
-    dispatcher: str = "allgather",
-    param_gathers: int = 2,
-    recompute: str = "none",
-) -> dict[str, dict[str, float]]:
+def step_bytes(fit: ModelFit, tokens: StepTokens, how: Settings) -> dict[str, dict[str, float]]:
     """Bytes per rank of a step of one update: {phase: {kind: bytes}}."""
-    return {
-        phase: phase_bytes(fit, phase, n, value_bytes, dispatcher, param_gathers, recompute)
-        for phase, n in (
-            ("old_log_prob", tokens.old_log_prob),
-            ("update", tokens.update),
-            ("weight_sync", 0),
-        )
-    }
+    calls = (("old_log_prob", tokens.old_log_prob), ("update", tokens.update), ("weight_sync", 0))
+    return {phase: phase_bytes(fit, phase, n, how) for phase, n in calls}

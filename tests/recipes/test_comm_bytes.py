@@ -39,7 +39,7 @@ def assert_model_matches(
     """Every rank's measured bytes against parallel.step_traffic for the plan."""
     from backend.qwen3_moe.config import load_qwen3_moe_spec
     from parallel.plan import ParallelPlan, check_against_model
-    from parallel.step_traffic import StepTokens, step_bytes
+    from parallel.step_traffic import Settings, StepTokens, step_bytes
 
     fit = check_against_model(
         ParallelPlan.for_world(world, tp=tp, ep=ep), load_qwen3_moe_spec(model_dir)
@@ -47,7 +47,7 @@ def assert_model_matches(
     for rank in range(world):
         rows = first_rows(out, rank)
         tokens = StepTokens(rows["old_log_prob"]["tokens"], rows["update"]["tokens"])
-        model = step_bytes(fit, tokens, value_bytes=4, recompute=recompute)
+        model = step_bytes(fit, tokens, Settings(4, recompute=recompute))
         for phase in ("old_log_prob", "update", "weight_sync"):
             got, want = rows[phase]["bytes"], model[phase]
             where = f"rank {rank} {phase} at tp{tp} x ep{ep}: {got} against {want}"

@@ -37,7 +37,7 @@ def test_the_scale_table_counts_bytes_per_trained_step():
     from backend.qwen3_moe.config import spec_from_config
     from parallel.models import MINI_QWEN3_MOE
     from parallel.plan import ParallelPlan, check_against_model
-    from parallel.step_traffic import phase_bytes
+    from parallel.step_traffic import Settings, phase_bytes
     from scripts.bench.launches.scale_table import per_step
 
     spec = spec_from_config({**MINI_QWEN3_MOE, "model_type": "qwen3_moe", "vocab_size": 32})
@@ -56,7 +56,7 @@ def test_the_scale_table_counts_bytes_per_trained_step():
     assert got["steps"] == 2 and got["update_tokens"] == 200
     assert got["measured"] == {"tp": 45, "ep": 66, "dp": 51} and got["other_phases"] == 7
     want = {
-        k: sum(phase_bytes(fit, p, t, 4)[k] for p, t in
+        k: sum(phase_bytes(fit, p, t, Settings(4))[k] for p, t in
                [("old_log_prob", 100), ("update", 100), ("weight_sync", 0),
                 ("old_log_prob", 300), ("update", 300), ("weight_sync", 0)]) / 2
         for k in ("tp", "ep", "dp")

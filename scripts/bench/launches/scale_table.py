@@ -23,7 +23,7 @@ from backend.instruments import comm_bytes
 from backend.qwen3_moe.config import load_qwen3_moe_spec
 from parallel.models import load_spec
 from parallel.plan import plan_for_model
-from parallel.step_traffic import KINDS, phase_bytes
+from parallel.step_traffic import KINDS, Settings, phase_bytes
 from recipes.local import warmup_cache
 from scripts.bench.launches import mission_plan_run
 
@@ -66,7 +66,9 @@ def per_step(rows: list[dict], fit, recompute: str = "none") -> dict:
             continue
         for k in KINDS:
             measured[k] += r["bytes"][k]
-        for k, v in phase_bytes(fit, r["phase"], r["tokens"], 4, recompute=recompute).items():
+        for k, v in phase_bytes(
+            fit, r["phase"], r["tokens"], Settings(4, recompute=recompute)
+        ).items():
             model[k] += v
     tokens = sum(r["tokens"] for r in rows if r["phase"] == "update") / steps
     return {
@@ -149,8 +151,8 @@ def cluster_row() -> dict:
     recompute = cluster_recompute()
     model = dict.fromkeys(KINDS, 0.0)
     for phase in MODELLED:
-        bytes_ = phase_bytes(fit, phase, tokens, 2, dispatcher="alltoall", recompute=recompute)
-        for k, v in bytes_.items():
+        how = Settings(2, dispatcher="alltoall", recompute=recompute)
+        for k, v in phase_bytes(fit, phase, tokens, how).items():
             model[k] += v
     return {"plan": fit.plan.describe(), "update_tokens": tokens, "recompute": recompute,
             "model": model}  # fmt: skip
