@@ -51,6 +51,29 @@ def test_ratios_leave_out_step_one_and_the_goal_reads_mini_at_world_2():
     assert not ab_engines.goal({"mini/world2": slow})["met"]  # faster but heavier: not met
 
 
+HOLD = "import sys, time; x = bytearray(int(sys.argv[1]) << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(4)"
+
+
+def test_the_peak_sampler_counts_its_launchs_workers_only(tmp_path):
+    """Bug caught: a second job's actor workers on the same machine counted as this launch's
+    ranks (a suite beside a small job saw 4 "FSDP ranks": 1168, 1146, 660, 629 MiB)."""
+    import time
+
+    hold = tmp_path / "hold.py"
+    hold.write_text(HOLD)
+    # titled as verl's actor workers are; the launch's one is its grandchild, as Ray's are
+    worker = f'exec -a "ray::WorkerDict" "{sys.executable}" {hold}'
+    outsider = subprocess.Popen(["bash", "-c", f"{worker} 300"])
+    launch = subprocess.Popen(["bash", "-c", f"bash -c '{worker} 120'; true"])
+    try:
+        with ab_engines.PeakRss(launch.pid, period_s=0.2) as rss:
+            time.sleep(2.5)
+    finally:
+        launch.wait()
+        outsider.wait()
+    assert len(rss.peaks) == 1 and 120 <= next(iter(rss.peaks.values())) < 200
+
+
 @pytest.fixture(scope="module")
 def ab_run(mini_run, tmp_path_factory):
     """The side by side at the goal's row, mini at world 2: ours is the main-job run CI makes

@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from scripts.bench.launches.mission_plan_run import tree
 from scripts.bench.launches.replay_modes import read_rows, seed_from
 
 REPO = Path(__file__).resolve().parents[3]
@@ -47,10 +48,12 @@ SCORE = "critic/score/mean"
 
 
 class PeakRss:
-    """Samples /proc for the actor workers' VmHWM (peak RSS) while a launch runs."""
+    """Samples /proc for the actor workers' VmHWM (peak RSS) while a launch runs: the
+    processes of the launch's own tree (`root` and its descendants), never another job's
+    workers on the same machine."""
 
-    def __init__(self, period_s: float = 0.5):
-        self.period_s, self._stop = period_s, threading.Event()
+    def __init__(self, root: int, period_s: float = 0.5):
+        self.root, self.period_s, self._stop = root, period_s, threading.Event()
         self._peaks, self._titles = {}, {}  # pid -> MiB, pid -> its latest Ray title
         self._parents = {}  # pid -> parent pid
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -74,9 +77,8 @@ class PeakRss:
 
     def _loop(self):
         while not self._stop.wait(self.period_s):
-            for proc in Path("/proc").iterdir():
-                if proc.name.isdigit():
-                    self._sample(proc)
+            for pid in tree(self.root):
+                self._sample(Path(f"/proc/{pid}"))
 
     def _sample(self, proc: Path):
         try:
@@ -112,8 +114,10 @@ def launch(engine: str, model: str, world: int, steps: int, run_dir: Path, conso
     else:
         ours = shlex.split(plan) if engine == "mcore_ep" else []  # FSDP splits no layer
         cmd += [*shlex.split(cluster), *ours, "--", f"trainer.total_training_steps={steps}"]
-    with open(console, "w") as sink, PeakRss() as rss:
-        code = subprocess.call(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+    with open(console, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        with PeakRss(proc.pid) as rss:
+            code = proc.wait()
     return code, rss.peaks
 
 
