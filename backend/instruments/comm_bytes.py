@@ -105,7 +105,6 @@ class CommBytes:
     rank: int
     sizes: dict[str, int] = field(default_factory=dict)  # group name -> ranks
     seen: int = -1  # the newest record_id counted
-    totals: dict = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, groups) -> "CommBytes | None":
@@ -134,6 +133,11 @@ class CommBytes:
             self.seen = max(e["record_id"] for e in fresh)
         return fresh
 
+    def _size(self, name: str) -> int:
+        if name not in self.sizes:  # a group made after the counter (verl's weight channel)
+            self.sizes = group_sizes()
+        return self.sizes.get(name, 2)
+
     def take(self, phase: str, tokens: int = 0) -> dict:
         """Bytes and calls by kind since the last take, written as `phase`'s line with the
         tokens its passes ran on this rank (padded)."""
@@ -145,7 +149,7 @@ class CommBytes:
                 kind = "pp"
             else:
                 kind = kind_of(tuple(e["process_group"]), self.by_name)
-            nbytes = buffer_bytes(e, self.sizes.get(e["process_group"][0], 2))
+            nbytes = buffer_bytes(e, self._size(e["process_group"][0]))
             row["bytes"][kind] += nbytes
             row["calls"][kind] += 1
             op = f"{kind}:{e['profiling_name'].split(':')[-1]}"
