@@ -131,8 +131,10 @@ def run_cluster(resolved: Resolved, verbose: bool, debug: bool = False, watch=No
     for name, path in written.items():
         print(f"{name}: {path}")
     resume_hint = "relaunch the same command (trainer.resume_mode=auto resumes it)"
-    lost = ray_job.interrupted_line(code, resolved.run.ckpt_dir) or (
-        lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None
+    lost = (
+        (console.oom.failure_line(resolved.run.ckpt_dir, resume_hint) if code else None)
+        or ray_job.interrupted_line(code, resolved.run.ckpt_dir)
+        or (lost_node.failure_line(watch, resolved.run.ckpt_dir, resume_hint) if code else None)
     )
     if lost or code:  # a stop by signal: interrupted_line; a failure: its cause
         print(lost or console.failure_line(code), file=sys.stderr)

@@ -195,8 +195,11 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
                 code = run_command(resolved.command, job, console, watch)
         verl_s = time.perf_counter() - t0
         if code != 0:
-            lost = interrupted_line(code, resolved.run.ckpt_dir) or failure_line(
-                watch, resolved.run.ckpt_dir, resume="relaunch with --resume"
+            resume, ckpt_dir = "relaunch with --resume", resolved.run.ckpt_dir
+            lost = (
+                console.oom.failure_line(ckpt_dir, resume)
+                or interrupted_line(code, ckpt_dir)
+                or failure_line(watch, ckpt_dir, resume=resume)
             )
             print(lost or console.failure_line(code), file=sys.stderr)
             return code

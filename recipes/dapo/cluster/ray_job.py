@@ -53,6 +53,9 @@ CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "0",
+    # glibc's default of 8 heaps a core per process: each rank's heap grew ~20 MB a step at
+    # world 8 (varying batch shapes), 1.6 GB over 10 steps
+    "MALLOC_ARENA_MAX": "2",
 }
 
 
@@ -193,7 +196,8 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
     in one line naming the log that holds the trainer's traceback.
 
     watch (recipes.dapo.cluster.lost_node.NodeWatch): follows the cluster's nodes meanwhile and stops
-    the child once one of them died."""
+    the child once one of them died; the console's OomKills stops it once Ray killed workers for
+    memory (recipes.dapo.cluster.ray_oom)."""
     piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     extra = {"PYTHONUNBUFFERED": "1"} if console else {}  # lines as they are printed
     child = subprocess.Popen(cmd, env={**os.environ, **env, **extra}, cwd=REPO,
@@ -208,6 +212,7 @@ def run_command(cmd: list[str], env: dict[str, str], console=None, watch=None) -
         while (code := _wait(child)) is None:
             if console:
                 console.tick()
+                console.oom.police(child)  # a job that lost workers to Ray's OOM monitor
     if watch is not None:
         watch.close(failed=code != 0)
     code = 128 - code if code < 0 else code

@@ -41,6 +41,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from backend.monitor.alarms import AlarmRules, HealthAlarms
+from recipes.dapo.cluster.ray_oom import OomKills
 from recipes.dapo.console.alarm_log import ALARMS, AlarmLog
 from recipes.dapo.console.filters import Startup, config_text, held_back_line, not_applicable
 from recipes.dapo.console.step_line import LAG_LEGEND, LEGEND, lag_parts, progress_bar, step_line
@@ -134,6 +135,7 @@ class Console:
     refusal: str | None = None  # the checkpoint refusal the failed child's traceback ends with
     start_failure: str | None = None  # how Ray's start failed, if that ended the child
     cause: str | None = None  # the failed child's innermost exception (Tracebacks.cause)
+    oom: OomKills = field(default_factory=OomKills)  # workers Ray killed for memory
     _started: float = field(default_factory=time.perf_counter)
     startup: Startup | None = None
     _status_at: float = 0.0
@@ -197,6 +199,7 @@ class Console:
         self.log.write(raw if raw.endswith("\n") else raw + "\n")
         text = clean(raw)
         self.tail.append(text)
+        self.oom.seen(text)
         return text
 
     def _take(self, raw: str) -> None:
