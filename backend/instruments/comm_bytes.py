@@ -15,7 +15,6 @@ input there, which is what the recorder sees and what is counted.
 
 import json
 import os
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,9 +119,9 @@ class CommBytes:
         return counter
 
     def new_entries(self) -> list[dict]:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        dump = pickle.loads(_dump_fr_trace(True, False, False))  # torch's own bytes, not a file
+        dump = json.loads(_dump_fr_trace_json(True, False))
         fresh = [e for e in dump.get("entries", []) if e["record_id"] > self.seen]
         if fresh and self.seen >= 0 and min(e["record_id"] for e in fresh) > self.seen + 1:
             raise RuntimeError(

@@ -133,17 +133,15 @@ def test_the_counter_refuses_without_the_recorder(monkeypatch, tmp_path):
 def test_a_ring_that_dropped_collectives_is_refused(monkeypatch, tmp_path):
     """A phase with more collectives than the recorder's ring would count only its tail: the
     counter says so instead of writing too few bytes."""
-    import pickle
-
     import torch._C._distributed_c10d as c10d
 
     def dump(record_ids):
         entries = [{"record_id": i, **entry("all_reduce", [[4]], [[4]])} for i in record_ids]
-        return lambda *args: pickle.dumps({"entries": entries})
+        return lambda *args: json.dumps({"entries": entries}).encode()
 
     counter = comm_bytes.CommBytes(tmp_path, {}, rank=0, sizes={"3": 2}, seen=9)
-    monkeypatch.setattr(c10d, "_dump_fr_trace", dump(range(8, 14)))
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", dump(range(8, 14)))
     assert counter.take("update")["bytes"]["tp"] == 4 * 16  # records 10-13, 16 bytes each
-    monkeypatch.setattr(c10d, "_dump_fr_trace", dump(range(20, 25)))  # 14-19 overwritten
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", dump(range(20, 25)))  # 14-19 overwritten
     with pytest.raises(RuntimeError, match="ring dropped collectives within one phase"):
         counter.take("update")
