@@ -26,6 +26,7 @@ from parallel.plan import plan_for_model
 from parallel.step_traffic import KINDS, Settings, phase_bytes
 from recipes.local import warmup_cache
 from scripts.bench.launches import mission_plan_run
+from scripts.bench.launches.ab_engines import ACTOR_TITLE
 
 PLANS = {  # world: tp, ep (dp 2 from world 2 on: every kind of group moves something)
     "w1": (1, 1, 1),
@@ -35,9 +36,6 @@ PLANS = {  # world: tp, ep (dp 2 from world 2 on: every kind of group moves some
 }
 STEPS = 5
 MODELLED = ("old_log_prob", "update", "weight_sync")
-# the actor ranks' title, then the method running ("ray::WorkerDict.actor_rollout_update_actor");
-# megatron's async checkpoint writer is forked from a rank and carries its title
-ACTOR_TITLE = "ray::WorkerDict"
 # the cluster's step for the full model: data.train_batch_size 32 x n 16 samples of ~4900
 # tokens (recipes.dapo.job.overrides), split over dp, bf16, the alltoall dispatcher
 CLUSTER_SAMPLES, CLUSTER_SAMPLE_TOKENS = 32 * 16, 4900
@@ -120,7 +118,9 @@ def measure(name: str, out: Path) -> dict:
     )
     fit = plan_for_model(spec, nodes=1, devices_per_node=world, tp=tp, ep=ep)
     by_title = run["peak_rss_mib_by_title"].items()
-    actors = [mib for title, mibs in by_title if title.startswith(ACTOR_TITLE) for mib in mibs]
+    # ab_engines' actor titles, the method running after them ("...WorkerDict.actor_rollout_
+    # update_actor"); a rank's forked checkpoint writer carries its title: the max is the rank
+    actors = [mib for title, mibs in by_title if ACTOR_TITLE.match(title) for mib in mibs]
     return {
         "plan": fit.plan.describe(),
         "wall_s": run["wall_s"],
