@@ -61,6 +61,10 @@ CPU_ENV = {
     # update) and the actor ranks grew every step until Ray's OOM line at world 8's step 18.
     # Held at glibc's initial 128 KiB, tensors above it go back to the system when freed.
     "MALLOC_MMAP_THRESHOLD_": "131072",
+    # oneDNN keeps a JIT-compiled kernel per shape (1024 by default): vLLM's bf16 linears meet
+    # a new batch size at almost every step, and each TP worker grew ~18 MB a step at world 8.
+    # 8 kernels held: flat, and generation as fast (tests/recipes/test_cpu_env.py, the note)
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8",
 }
 
 

@@ -1,0 +1,79 @@
+"""The CPU job's allocator settings (recipes.dapo.cluster.ray_job.CPU_ENV), in processes that
+allocate the way the run's do. Each test runs the pattern under CPU_ENV and, as its control,
+without the one setting, so that it fails if the setting stops acting.
+
+Found on a 20-step run at world 8 (8 actor ranks, two vLLM engines of TP 4, 24 GiB): without
+them the processes grew every step and Ray's memory monitor killed the rollout at step 18.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recipes.dapo.cluster.ray_job import CPU_ENV
+
+pytestmark = pytest.mark.no_mcore
+
+# a step's tensors: sizes between 200 KiB and 4 MiB freed in a mixed order, beside a few small
+# ones that outlive the step (metrics, caches); after a 32 MiB block is freed, as a weight
+# update's bucket is. Prints the RSS growth in MiB.
+FRAGMENTING_STEPS = """
+import random, torch
+def rss():
+    return [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')][0] // 1024
+random.seed(0)
+torch.empty(32 << 20, dtype=torch.uint8).fill_(1)
+base, live, keep = rss(), [], []
+for step in range(40):
+    for _ in range(50):
+        live.append(torch.empty(random.randint(200 << 10, 4 << 20), dtype=torch.uint8).fill_(1))
+        if len(live) > 12:
+            live.pop(random.randrange(len(live)))
+    keep.append(torch.ones(random.randint(1, 30000)))
+    live.clear()
+print(rss() - base)
+"""
+
+# vLLM's CPU linears in bf16 (F.linear on oneDNN) at every batch size a rollout meets:
+# prints how many anonymous mappings (oneDNN's JIT kernels among them) were added.
+BATCH_SIZES_BF16 = """
+import torch, torch.nn.functional as F
+def maps():
+    return sum(1 for l in open('/proc/self/maps') if len(l.split()) == 5)
+w = torch.randn(384, 128, dtype=torch.bfloat16)
+F.linear(torch.randn(4, 128, dtype=torch.bfloat16), w)
+base = maps()
+for m in range(1, 301):
+    F.linear(torch.randn(m, 128, dtype=torch.bfloat16), w)
+print(maps() - base)
+"""
+
+
+def _run(code: str, drop: str | None = None) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "ONEDNN_"))}
+    env.update({k: v for k, v in CPU_ENV.items() if k != drop})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    return int(done.stdout.split()[-1])
+
+
+def test_freed_tensors_go_back_to_the_system():
+    """Bug caught: glibc's mmap threshold left to rise with the largest freed block (up to 32
+    MiB), so freed step tensors stay in fragmented heaps: vLLM's TP workers and the actor
+    ranks grew every step at world 8."""
+    held = _run(FRAGMENTING_STEPS)
+    control = _run(FRAGMENTING_STEPS, drop="MALLOC_MMAP_THRESHOLD_")
+    assert held < 20, f"RSS grew {held} MiB over 40 steps under CPU_ENV"
+    assert control > 40, f"the control grew only {control} MiB: the pattern no longer fragments"
+
+
+def test_one_batch_size_after_another_keeps_onednn_bounded():
+    """Bug caught: oneDNN's primitive cache (1024 kernels by default) kept a JIT-compiled
+    kernel for every batch size the rollout met: each vLLM TP worker grew ~18 MB a step at
+    world 8 (960 -> 1317 MiB over 20 steps), the largest growth left after the allocator's."""
+    held = _run(BATCH_SIZES_BF16)
+    control = _run(BATCH_SIZES_BF16, drop="ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert held < 60, f"{held} mappings added over 300 batch sizes under CPU_ENV"
+    assert control > 300, f"the control added only {control} mappings: oneDNN caches no longer"
