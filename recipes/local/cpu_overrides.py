@@ -123,6 +123,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             "trainer.total_training_steps": run.steps,
             "trainer.logger": ["console", "tensorboard", "file"],
             "trainer.experiment_name": f"{task['run_name']}-cpu-{plan_label(run)}",
+            **_polling(run),
         },
         "ray_env": {
             "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
@@ -139,6 +140,23 @@ def _saves(world: int) -> dict:
     if world <= ENGINE_PER_RANK_UP_TO:
         return {}
     return {"actor_rollout_ref.actor.checkpoint.async_save": False}
+
+
+# verl's sync trainer looks for finished rollouts every 2 s; a CPU step's generation is ~1 s
+# of vLLM's work (recipes.dapo.engine.replay_polling, the figures in docs/cpu_run.md)
+POLL_S = 0.2
+POLLING_SAMPLER = ("pkg://recipes.dapo.engine.replay_polling", "PollingReplayBuffer")
+
+
+def _polling(run) -> dict:
+    if run.trainer_mode != "sync":  # verl's async buffers keep their interval
+        return {}
+    s = "trainer.v1.sampler"
+    return {
+        f"{s}.custom_sampler.path": POLLING_SAMPLER[0],
+        f"{s}.custom_sampler.name": POLLING_SAMPLER[1],
+        f"+{s}.sampler_kwargs.poll_interval_s": POLL_S,
+    }
 
 
 def _task_score(run) -> dict:
