@@ -149,7 +149,7 @@ def resolve_local(spec: RunSpec) -> Resolved:
     fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
     run = overrides.JobSpec(
         "cpu", spec.plan, fit, str(model.path), str(data_dir / "train.parquet"),
-        str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh),
+        str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh, spec.plan.world),
         steps=spec.steps or TASKS[model.task]["steps"], save_freq=LOCAL_SAVE_FREQ,
         ray_address=spec.ray_address, task=model.task, trainer_mode=spec.trainer_mode,
         rollout_nodes=spec.split.rollout_nodes, engine=spec.engine,

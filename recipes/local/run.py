@@ -59,14 +59,17 @@ def trained_model(groups: dict[str, dict]) -> Path:
     return Path(str(value_of(groups, MODEL_KEY))).expanduser()
 
 
-def job_env(out: Path, fresh: bool = False) -> dict[str, str]:
+def job_env(out: Path, fresh: bool = False, world: int = 1) -> dict[str, str]:
     """The environment of the driver and (through ray_env) every Ray worker: the cluster
-    run's for device cpu (recipes.dapo.cluster.ray_job.job_env) and this run's outputs (fresh: in a
+    run's for device cpu (recipes.dapo.cluster.ray_job.job_env), the allocator's beyond world 4
+    (recipes.local.cpu_overrides.many_ranks_env) and this run's outputs (fresh: in a
     directory emptied first, recipes.launcher.local_checks.set_aside)."""
     from recipes.dapo.cluster.ray_job import job_env as cluster_env
+    from recipes.local.cpu_overrides import many_ranks_env
 
     return {
         **cluster_env("cpu", None),
+        **many_ranks_env(world),
         "TENSORBOARD_DIR": str(out / "tensorboard"),
         # verl's file logger truncates its file: each launch (a resume too) gets its own
         "VERL_FILE_LOGGER_PATH": str(next_metrics_file(out / METRICS, fresh)),

@@ -56,11 +56,6 @@ CPU_ENV = {
     # glibc's default of 8 heaps a core per process: each rank's heap grew ~20 MB a step at
     # world 8 (varying batch shapes), 1.6 GB over 10 steps
     "MALLOC_ARENA_MAX": "2",
-    # glibc raises its mmap threshold to the largest block freed (up to 32 MiB), after which
-    # freed tensors stay in the heap, fragmented: vLLM's TP workers (experts repacked each
-    # update) and the actor ranks grew every step until Ray's OOM line at world 8's step 18.
-    # Held at glibc's initial 128 KiB, tensors above it go back to the system when freed.
-    "MALLOC_MMAP_THRESHOLD_": "131072",
     # oneDNN keeps a JIT-compiled kernel per shape (1024 by default): vLLM's bf16 linears meet
     # a new batch size at almost every step, and each TP worker grew ~18 MB a step at world 8.
     # 8 kernels held: flat, and generation as fast (tests/recipes/test_cpu_env.py, the note)

@@ -60,6 +60,9 @@ NOT_APPLICABLE = (
        "processor for a text-only model; the rollout reads text", None),  # fmt: skip
     _n(r"^(?:torch|megatron)/\S+\.py:\d+: (?:Future|Deprecation)Warning:", "a deprecation "
        "inside torch / megatron-core's own calls: a note for their code, not for the run", None),
+    _n(r"^verl/trainer/ppo/v1/trainer_base\.py:\d+: FutureWarning: .*'verl\.utils\.import_utils"
+       r"\.load_extern_type' is deprecated", "verl's builder loads the CPU run's replay buffer "
+       "with its own deprecated loader: a note for verl's code", ("cpu",)),  # fmt: skip
 )  # fmt: skip
 
 
