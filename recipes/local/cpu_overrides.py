@@ -157,7 +157,7 @@ def _saves(world: int) -> dict:
 
 
 # verl's sync trainer looks for finished rollouts every 2 s; a CPU step's generation is ~1 s
-# of vLLM's work (recipes.dapo.engine.replay_polling, the figures in docs/cpu_run.md)
+# of vLLM's work (recipes.dapo.engine.replay_polling, the figures in docs/timing.md)
 POLL_S = 0.2
 POLLING_SAMPLER = ("pkg://recipes.dapo.engine.replay_polling", "PollingReplayBuffer")
 
