@@ -21,6 +21,7 @@ from recipes.launcher import a2_replay, datasets, dry_run
 from recipes.launcher.run_spec import RunSpec
 from recipes.launcher.verl_schema import check_overrides
 from recipes.local.cpu_overrides import TASKS, cpu_overrides
+from recipes.local.cpu_overrides import recompute as cpu_recompute
 
 LOCAL_SAVE_FREQ = 10  # the local run saves every 10 steps
 
@@ -146,7 +147,8 @@ def resolve_local(spec: RunSpec) -> Resolved:
     fresh = not spec.resume and checks.earlier_run(out)  # the launch moves that run aside
     # memory figures nominal (the CPU rollout reads no memory fraction); offload as on an A2,
     # so verl's offload/onload calls run between rollout and update here too
-    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True)
+    fit = Fit(1.0, 0.0, 0.0, 0.0, 0.0, param_offload=True, optimizer_offload=True,
+              recompute=cpu_recompute(spec.plan.world))  # fmt: skip
     run = overrides.JobSpec(
         "cpu", spec.plan, fit, str(model.path), str(data_dir / "train.parquet"),
         str(data_dir / "val.parquet"), str(out / "checkpoints"), local.job_env(out, fresh, spec.plan.world),

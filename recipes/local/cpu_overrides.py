@@ -6,6 +6,8 @@ loss, dynamic sampling on `acc`, GRPO, the dapo reward manager, the engine, chec
 resume) is the cluster's.
 """
 
+import os
+
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
 # vLLM engines at most one per actor rank up to this world; a larger world gets two engines of
@@ -13,6 +15,26 @@ KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means
 # server and an engine core (~0.9 + 0.5 GB), and each further TP rank a worker (~0.5 GB), so
 # eight TP-1 engines beside eight actor ranks and Ray (~3 GB) pass 24 GiB; two of TP 4 fit.
 ENGINE_PER_RANK_UP_TO = 4
+
+
+# the engine's modules on CPU: ours, as on the cluster (grouped-GEMM experts, SDPA attention on
+# packed micro-batches), not the megatron-core reference (SequentialMLP, DotProductAttention on
+# padded rows) that BuildOptions' "auto" picks on CPU for the tests to compare against. At mini,
+# world 1, a step's update 6.48 -> 3.65 s with recompute off below (docs/timing.md)
+CPU_ENGINE = dict(experts="grouped", attention="sdpa", packed=True)
+
+
+def recompute(world: int) -> str:
+    """Activation recompute on CPU: none while memory is plenty; the cluster's "full" beyond
+    ENGINE_PER_RANK_UP_TO ranks, where 24 GiB binds (docs/mission_plan.md)."""
+    return "none" if world <= ENGINE_PER_RANK_UP_TO else "full"
+
+
+def engine_threads(world: int, cores: int | None = None) -> int:
+    """torch threads per actor rank: its share of the cores. In the sync mode the rollout's
+    processes idle while the actor trains, so at world 1 on 2 cores the update takes both."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // world)
 
 
 def rollout_tp(world: int) -> int:
@@ -71,6 +93,7 @@ TOY_ALARMS = dict(entropy_floor=0.005, entropy_drop=0.9, entropy_window=5)
 
 def cpu_overrides(run) -> dict[str, dict]:
     """{concern: {override: value}} for the embedded run (run: recipes.dapo.job.overrides.JobSpec)."""
+    from recipes.dapo import BACKEND
     from recipes.dapo.job.actors import plan_label
 
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -93,6 +116,7 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{a}.optim.lr_warmup_steps": task["warmup_steps"],
             **_saves(world),
         },
+        "engine": _engine(world) if run.engine == BACKEND else {},
         "rollout": {
             f"{r}.tensor_model_parallel_size": rollout_tp(world),
             f"{r}.enforce_eager": True,  # no CUDA graphs, no inductor compile on CPU
@@ -144,6 +168,14 @@ def many_ranks_env(world: int) -> dict[str, str]:
     """The job environment's part for world > ENGINE_PER_RANK_UP_TO (Ray's workers and the
     driver; the warm-up, one rank, keeps glibc's default)."""
     return dict(MANY_RANKS_ENV) if world > ENGINE_PER_RANK_UP_TO else {}
+
+
+def _engine(world: int) -> dict:
+    from recipes.dapo.job.overrides import ENGINE
+
+    return {f"{ENGINE}.{key}": value for key, value in CPU_ENGINE.items()} | {
+        f"{ENGINE}.cpu_threads": engine_threads(world)
+    }
 
 
 def _saves(world: int) -> dict:

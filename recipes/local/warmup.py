@@ -25,6 +25,7 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+from recipes.local.cpu_overrides import CPU_ENGINE
 from recipes.local.task.built_models import warmed_dir
 
 WORK_DIR = "warmup"  # under the run directory: the warm-up's work (its export: SFT_DIR)
@@ -75,6 +76,7 @@ def sft_config(
             "strategy": "mcore_ep",
             "tensor_model_parallel_size": plan["tp"],
             "expert_model_parallel_size": plan["ep"],
+            **CPU_ENGINE,  # the RL run's modules (ours), so the warm-up trains what RL runs
             "monitor": {"enable": False, "log_dir": None},
         }
     )

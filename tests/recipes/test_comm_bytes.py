@@ -81,7 +81,7 @@ def probe_rank(rank: int, hf_dir: str, tp: int, ep: int, recompute: str) -> int:
 
 @pytest.mark.slow
 def test_tp2_ep2_moves_what_the_traffic_model_says(tmp_path, monkeypatch):
-    """With full recompute, as the CPU run trains (tp4 x ep8 without it: the mission plan's
+    """With full recompute, as the CPU run trains beyond world 4 (tp4 x ep8 without it: the mission plan's
     test). Catches a collective on the wrong group (megatron's dispatch group counted as TP),
     a phase that moves more than its plan needs (a second weight gather, a gradient all-reduce
     where a reduce-scatter is due), and a model that forgot a term."""

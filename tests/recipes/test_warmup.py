@@ -11,7 +11,8 @@ pytestmark = pytest.mark.trainer_flow  # a launch of verl's (SFT) trainer: the 0
 def test_sft_config_is_verls_with_our_engine_section(tmp_path):
     """verl's sft_trainer_engine.yaml, composed from its package, with the FSDP engine section
     replaced by ours: catches a config verl's TrainingWorker would build its FSDP engine
-    from, or one whose engine section our config class refuses."""
+    from, one whose engine section our config class refuses, or a warm-up on other modules
+    than the RL run's."""
     from verl.utils.config import omega_conf_to_dataclass
 
     from recipes.dapo.engine.config import McoreEpEngineConfig
@@ -21,6 +22,8 @@ def test_sft_config_is_verls_with_our_engine_section(tmp_path):
     engine = omega_conf_to_dataclass(cfg.engine)
     assert isinstance(engine, McoreEpEngineConfig)
     assert (engine.strategy, engine.expert_model_parallel_size) == ("mcore_ep", 2)
+    # the RL run's modules, not the megatron-core reference "auto" picks on CPU (1.8x slower)
+    assert (engine.experts, engine.attention, engine.packed) == ("grouped", "sdpa", True)
     assert (
         cfg.model.external_lib == "recipes.dapo.engine.verl_engine"
     )  # registers mcore_ep in the ranks

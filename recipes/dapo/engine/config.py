@@ -58,6 +58,8 @@ class McoreEpEngineConfig(EngineConfig):
     updates_per_step: verl's parameter_sync_step (separate_async: a trainer step is that many
     mini-batch updates, and verl gives the optimizer total_training_steps times it); the
     run's last save, which returns sealed, is counted in trainer steps.
+    cpu_threads: on device cpu, torch's intra-op threads for this rank (0: the process's own
+    setting); the embedded run gives each rank its share of the cores (recipes.local.cpu_overrides).
     """
 
     strategy: str = BACKEND
@@ -81,6 +83,7 @@ class McoreEpEngineConfig(EngineConfig):
     guards: dict[str, Any] = field(default_factory=dict)
     resume_from: str | None = None
     updates_per_step: int = 1
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,6 +127,11 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 f"updates_per_step={self.updates_per_step!r}: give verl's parameter_sync_step "
                 "(optimizer updates per trainer step, >= 1)"
+            )
+        if not (isinstance(self.cpu_threads, int) and self.cpu_threads >= 0):
+            raise EngineConfigError(
+                f"cpu_threads={self.cpu_threads!r}: give torch's thread count for a CPU rank "
+                "(0: leave the process's own)"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(

@@ -146,6 +146,8 @@ class McoreEpEngine(BaseEngine):
 
         c = self.engine_config
         dtype = torch.float32 if self.device == "cpu" else getattr(torch, c.dtype)
+        if self.device == "cpu" and c.cpu_threads:
+            torch.set_num_threads(c.cpu_threads)  # the job env holds every process at 1
         # local spec (the converters' name table covers it; TE names are not mapped yet) with
         # our grouped-GEMM experts / SDPA attention where BuildOptions picks them
         opts = BuildOptions(device=self.device, dtype=dtype, spec="local", recompute=c.recompute,
