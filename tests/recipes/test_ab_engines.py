@@ -51,6 +51,22 @@ def test_ratios_leave_out_step_one_and_the_goal_reads_mini_at_world_2():
     assert not ab_engines.goal({"mini/world2": slow})["met"]  # faster but heavier: not met
 
 
+def test_both_launches_get_the_overrides_and_ours_runs_at_fsdps_thread_count(tmp_path):
+    """Bugs caught: the overrides after `--` dropped (the bench took them and launched
+    without them), and ours at the cores' share (2 threads at world 1 on 2 cores) against
+    FSDP's one."""
+    extra = ["trainer.save_freq=1"]
+    for engine in ab_engines.ENGINES:
+        cmd = ab_engines.launch_command(engine, "mini", 2, 6, tmp_path, extra=extra)
+        after = cmd[cmd.index("--") + 1 :]
+        assert cmd[cmd.index("--ep") + 1] == "2" and after[-1] == "trainer.save_freq=1"
+        assert (ab_engines.SAME_THREADS in after) == (engine == "mcore_ep")
+    cluster = ab_engines.launch_command(
+        "fsdp", "mini", 8, 5, tmp_path, cluster="--device cuda", extra=extra
+    )
+    assert cluster[-2:] == ["trainer.total_training_steps=5", "trainer.save_freq=1"]
+
+
 HOLD = "import sys, time; x = bytearray(int(sys.argv[1]) << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(4)"
 
 

@@ -98,22 +98,35 @@ class PeakRss:
             self._peaks[proc.name] = max(self._peaks.get(proc.name, 0), int(hwm.group(1)) // 1024)
 
 
-def launch(engine: str, model: str, world: int, steps: int, run_dir: Path, console: Path,
-           cluster: str | None = None, plan: str = "", extra: list[str] = ()):  # fmt: skip
-    """One main-job launch; returns (exit code, {pid: peak RSS MiB} of its actor workers)."""
+# verl's FSDP workers have no thread setting and run at the job env's one thread; ours would
+# take the cores' share (2 at world 1 on 2 cores): the side by side holds both at one
+SAME_THREADS = "+actor_rollout_ref.actor.mcore_ep.cpu_threads=1"
+
+
+def launch_command(engine: str, model: str, world: int, steps: int, run_dir: Path,
+                   cluster: str | None = None, plan: str = "", extra: list[str] = ()):  # fmt: skip
+    """The main job's command line for one engine; `extra` (verl overrides) goes to both."""
     cmd = ["bash", str(REPO / "scripts/train_mcore.sh"), "--engine", engine,
            "--ckpt-dir", str(run_dir)]  # fmt: skip
     if cluster is None:
-        cmd += [
-            "--model",
-            model,
-            "--steps",
-            str(steps),
-            *(["--ep", str(world)] if world > 1 else []),
-        ]
-    else:
-        ours = shlex.split(plan) if engine == "mcore_ep" else []  # FSDP splits no layer
-        cmd += [*shlex.split(cluster), *ours, "--", f"trainer.total_training_steps={steps}"]
+        threads = [SAME_THREADS] if engine == "mcore_ep" else []
+        world_args = ["--ep", str(world)] if world > 1 else []
+        return [*cmd, "--model", model, "--steps", str(steps), *world_args, "--", *threads, *extra]
+    ours = shlex.split(plan) if engine == "mcore_ep" else []  # FSDP splits no layer
+    return [
+        *cmd,
+        *shlex.split(cluster),
+        *ours,
+        "--",
+        f"trainer.total_training_steps={steps}",
+        *extra,
+    ]
+
+
+def launch(engine: str, model: str, world: int, steps: int, run_dir: Path, console: Path,
+           cluster: str | None = None, plan: str = "", extra: list[str] = ()):  # fmt: skip
+    """One main-job launch; returns (exit code, {pid: peak RSS MiB} of its actor workers)."""
+    cmd = launch_command(engine, model, world, steps, run_dir, cluster, plan, extra)
     with open(console, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
         with PeakRss(proc.pid) as rss:
