@@ -21,7 +21,7 @@ def engine_config(tmp_path, argv):
     spec = spec_of(["--ckpt-dir", str(tmp_path), *argv, "--dry-run"])
     cli = overrides.to_cli(resolution.resolve_local(spec).groups)
     cfg = compose([item for item in cli if "<" not in item])
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.mcore_ep), cfg
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.mcore_ep)
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_the_cpu_run_trains_our_modules_packed_with_its_share_of_the_cores(
     (BuildOptions' "auto" on CPU: the update 1.8x slower at mini), full recompute where memory
     is plenty (an extra forward per micro-batch), none at world 8 (24 GiB binds there), or
     threads that oversubscribe the cores (8 ranks x 2 threads on 2 cores)."""
-    engine, _ = engine_config(tmp_path, ["--model", "mini", *plan])
+    engine = engine_config(tmp_path, ["--model", "mini", *plan])
     assert (engine.experts, engine.attention, engine.packed) == ("grouped", "sdpa", True)
     assert engine.recompute == recompute
     assert engine.cpu_threads == engine_threads(world) >= 1
