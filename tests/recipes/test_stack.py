@@ -289,6 +289,18 @@ def test_job_env_appends_to_pythonpath_and_imports_no_engine(monkeypatch):
     assert ray_job.job_env("cuda", None)["PYTHONPATH"] == str(REPO_ROOT)
 
 
+def test_the_memory_probe_reaches_the_cpu_jobs_workers_only_when_asked(monkeypatch, tmp_path):
+    """The side by side's probe directory reaches every worker of a CPU job (both engines'
+    ranks); without it no worker gets the variable, so no probe is installed."""
+    from backend.instruments.memory_probe import MEMORY_PROBE_ENV
+
+    monkeypatch.delenv(MEMORY_PROBE_ENV, raising=False)
+    assert MEMORY_PROBE_ENV not in ray_job.job_env("cpu", None)
+    monkeypatch.setenv(MEMORY_PROBE_ENV, str(tmp_path))
+    assert ray_job.job_env("cpu", None)[MEMORY_PROBE_ENV] == str(tmp_path)
+    assert MEMORY_PROBE_ENV not in ray_job.job_env("cuda", None)  # CPU runs only
+
+
 def test_the_release_the_tests_read_is_the_one_imported():
     """tests.support.mcore_release reads the package metadata (no import at collection): it must name
     the megatron-core that imports, overlay included (scripts/test.sh's 0.12.1 run)."""

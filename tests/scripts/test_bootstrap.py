@@ -162,3 +162,72 @@ def test_npu_cann91_builds_vllm_ascend_from_its_checked_sdist(tmp_path):
     ) in reqs
     assert not any("vllm-ascend" in c for c in calls if c.startswith("git clone"))
     assert (repo / ".stack").read_text().startswith("npu-cann91 ")
+
+
+def _fake_cpu_python(tmp_path, fail_on: str = "") -> tuple[Path, Path]:
+    """A repo copy and a python that records its calls: `-c` runs the real one, `-m venv` makes
+    a venv of itself, everything else (pip, compileall) prints a line and succeeds, except a
+    call containing `fail_on`, which prints an error and exits 3."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copytree(REPO / "scripts" / "stacks", repo / "scripts" / "stacks")
+    shutil.copy(REPO / "scripts" / "bootstrap.sh", repo / "scripts")
+    shutil.copy(REPO / "pyproject.toml", repo)
+    calls, fake = tmp_path / "calls.log", tmp_path / "bin" / "python3.11"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/bash\necho "$*" >> {calls}\n'
+        f'[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+        'if [[ $1 == -m && $2 == venv ]]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0; fi\n'
+        f'if [[ -n "{fail_on}" && "$*" == *"{fail_on}"* ]]; then echo "ERROR: pip could not"; exit 3; fi\n'
+        'echo "pip chatter: $*"\n'
+    )
+    fake.chmod(0o755)
+    return repo, calls
+
+
+def _bootstrap_cpu(repo: Path, fake_bin: Path):
+    return subprocess.run(
+        ["bash", "scripts/bootstrap.sh"], cwd=repo, capture_output=True, text=True, timeout=120,
+        env={"PATH": f"{fake_bin}:/usr/bin:/bin", "HOME": str(repo.parent)},
+    )  # fmt: skip
+
+
+def test_cpu_console_gets_a_line_a_stage_and_pip_goes_to_the_log(tmp_path):
+    """Bug caught: pip's ~260 lines (index warnings, setuptools' banners) on a newcomer's
+    console; pip byte-compiling the set one file at a time (68 of 128 s)."""
+    repo, calls = _fake_cpu_python(tmp_path)
+    run = _bootstrap_cpu(repo, tmp_path / "bin")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("bootstrap: installing the cpu set into .venv")
+    assert "pip's output in .cache/bootstrap.log" in lines[0]
+    stages = [line.rsplit(" (", 1)[0] for line in lines[1:-1]]
+    assert stages == [
+        "bootstrap: pip 26.3", "bootstrap: torch 2.13.0",
+        "bootstrap: the set (cpu.in, cpu.lock) and this project", "bootstrap: vLLM's CPU build",
+        "bootstrap: megatron-core 0.12.1 and 0.19.2 (the tests' overlays)", "bootstrap: bytecode",
+    ]  # fmt: skip
+    assert all(line.endswith(" s)") for line in lines[1:-1])
+    assert lines[-1].startswith("bootstrap: done in ") and "torch 2.13.0" in lines[-1]
+    assert "chatter" not in run.stdout + run.stderr
+    assert "pip chatter: -m pip install" in (repo / ".cache" / "bootstrap.log").read_text()
+    recorded = calls.read_text().splitlines()
+    installs = [c for c in recorded if c.startswith("-m pip install")]
+    assert len(installs) == 7 and all("--no-compile" in c for c in installs)
+    assert any(c.startswith("-m compileall -q -q -j 0 .venv/lib .venv/overlays") for c in recorded)
+    assert (repo / ".venv" / ".bootstrap-stamp").is_file()
+    # the stamp makes a second run return at once, silently
+    again = _bootstrap_cpu(repo, tmp_path / "bin")
+    assert again.returncode == 0 and again.stdout == ""
+
+
+def test_cpu_a_failing_stage_names_itself_shows_the_logs_end_and_leaves_no_stamp(tmp_path):
+    repo, _ = _fake_cpu_python(tmp_path, fail_on="torch==")
+    run = _bootstrap_cpu(repo, tmp_path / "bin")
+    assert run.returncode == 3
+    err = run.stderr.splitlines()
+    assert err[0] == "bootstrap: torch 2.13.0 failed (exit 3); the end of .cache/bootstrap.log:"
+    assert err[-1] == "ERROR: pip could not"
+    assert "bootstrap: pip 26.3 (" in run.stdout and "the set" not in run.stdout
+    assert not (repo / ".venv" / ".bootstrap-stamp").exists()

@@ -10,6 +10,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from backend.instruments.memory_probe import MEMORY_PROBE_ENV
 from recipes.dapo.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -89,6 +90,8 @@ def job_env(device: str, ifname: str | None) -> dict[str, str]:
         env.update(A2_ENV)
     if device == "cpu":
         env.update(CPU_ENV)
+        if probe := os.environ.get(MEMORY_PROBE_ENV):  # the side by side's (ab_engines)
+            env[MEMORY_PROBE_ENV] = probe
     if ifname:
         socket = "HCCL_SOCKET_IFNAME" if device == "npu" else "NCCL_SOCKET_IFNAME"
         env.update({socket: ifname, "GLOO_SOCKET_IFNAME": ifname})

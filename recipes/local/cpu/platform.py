@@ -21,6 +21,8 @@ import torch
 from verl.plugin.platform import PlatformRegistry
 from verl.plugin.platform.platform_base import PlatformBase
 
+from backend.instruments import memory_probe
+
 NAME = "cpu"
 
 
@@ -138,3 +140,7 @@ def join_worker_process_group(timeout_s: float = 600.0) -> bool:
 
 
 join_worker_process_group()
+
+# the side by side's memory probe (scripts/bench/launches/ab_engines.py), in the ranks of either
+# engine: only where its environment variable names a directory
+memory_probe.install_from_env()

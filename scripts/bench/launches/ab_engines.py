@@ -5,7 +5,9 @@ the embedded CPU run; world 2 is `--ep 2`: ours as ep 2, FSDP sharded over the s
 ranks), the same seed, model, data, rollout and DAPO settings; the first launch of a model
 makes its model, data (and the mini model's warm-up), the others start from copies. While a
 launch runs, the actor workers' peak RSS (VmHWM of each Ray actor-worker process; on an
-accelerator the device memory verl logs) is sampled. From verl's metrics over the trained
+accelerator the device memory verl logs) is sampled, and each rank's memory is broken down
+from inside it (parameters, gradients, optimizer states, what it keeps between steps, its
+passes' peak: scripts/bench/launches/memory_breakdown.py). From verl's metrics over the trained
 steps after the first (step 1 carries one-time compiles): update tokens/s, old-log-prob
 tokens/s, step time, weight-sync time, the reward by step; and ours / FSDP for each. Before the
 launches, step 1 on both engines in one process from the same HF weights (scripts/bench/
@@ -27,6 +29,7 @@ as verl's trainer.total_training_steps; peak memory is then the device memory ve
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -36,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from backend.instruments.memory_probe import MEMORY_PROBE_ENV
+from scripts.bench.launches.memory_breakdown import breakdown, memory_table
 from scripts.bench.launches.mission_plan_run import tree
 from scripts.bench.launches.replay_modes import read_rows, seed_from
 
@@ -45,6 +50,7 @@ ENGINES = ("fsdp", "mcore_ep")  # the baseline first
 ACTOR_TITLE = re.compile(r"^ray::(WorkerDict|ActorRollout\w*|TrainingWorker\w*)")
 GOAL = {"model": "mini", "world": 2, "update_speedup": 2.0, "memory_ratio": 1.0}
 SCORE = "critic/score/mean"
+PROBE_DIR = "memory_probe"  # in each launch's run directory
 
 
 class PeakRss:
@@ -127,8 +133,11 @@ def launch(engine: str, model: str, world: int, steps: int, run_dir: Path, conso
            cluster: str | None = None, plan: str = "", extra: list[str] = ()):  # fmt: skip
     """One main-job launch; returns (exit code, {pid: peak RSS MiB} of its actor workers)."""
     cmd = launch_command(engine, model, world, steps, run_dir, cluster, plan, extra)
+    env = dict(os.environ)
+    if cluster is None:  # the memory probe's lines land on this machine (memory_breakdown.py)
+        env[MEMORY_PROBE_ENV] = str(run_dir / PROBE_DIR)
     with open(console, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
         with PeakRss(proc.pid) as rss:
             code = proc.wait()
     return code, rss.peaks
@@ -146,7 +155,7 @@ def _tokens_per_s(rows: list[dict], phase: str) -> float:
     return sum(r.get("perf/total_num_tokens", 0) for r in rows) / max(seconds, 1e-9)
 
 
-def reduce_run(rows: list[dict], peaks: dict) -> dict:
+def reduce_run(rows: list[dict], peaks: dict, memory: list[dict] = ()) -> dict:
     """One launch's figures over its trained steps after the first."""
     train = [r for r in rows if r["step"] >= 1 and "timing_s/update_actor" in r]
     steady = train[1:] or train
@@ -175,6 +184,7 @@ def reduce_run(rows: list[dict], peaks: dict) -> dict:
         "peak_mib": max(peaks.values()) if peaks else None,
         "peak_device_gib": device_gb or None,
         "reward_by_step": [(r["step"], r.get(SCORE)) for r in train],
+        "memory": list(memory),  # per rank (memory_breakdown.py); [] where none was probed
     }
 
 
@@ -202,6 +212,14 @@ def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _spread(r: dict, key: str, spec: str) -> str:
+    """A median with its runs' range, `1234 (1200-1300, 3 runs)`; a single run's figure alone."""
+    if "spread" not in r or r["spread"].get(key) is None:
+        return _f(r[key], spec)
+    lo, hi = r["spread"][key]
+    return f"{_f(r[key], spec)} ({_f(lo, spec)}-{_f(hi, spec)}, {len(r['runs'])} runs)"
+
+
 def table(results: dict, parity: dict) -> str:
     lines = ["| model, world | engine | update tok/s | old-log-prob tok/s | step s | update s "
              "| weight sync s | peak RSS MiB/rank | step-1 grad norm | reward by step |",
@@ -210,10 +228,11 @@ def table(results: dict, parity: dict) -> str:
         for engine in ENGINES:
             r = row[engine]
             reward = ", ".join(_f(v) for _, v in r["reward_by_step"])
-            lines.append(f"| {key} | {engine} | {_f(r['update_tokens_per_s'], '.0f')} "
+            peak = "/".join(str(m) for m in r["peak_rss_mib_per_rank"])
+            lines.append(f"| {key} | {engine} | {_spread(r, 'update_tokens_per_s', '.0f')} "
                          f"| {_f(r['old_log_prob_tokens_per_s'], '.0f')} | {_f(r['step_s'], '.1f')} "
                          f"| {_f(r['update_s'])} | {_f(r['weight_sync_s'], '.3f')} "
-                         f"| {'/'.join(str(m) for m in r['peak_rss_mib_per_rank'])} "
+                         f"| {_spread(r, 'peak_mib', '.0f') if 'spread' in r else peak} "
                          f"| {_f(r['first_step'].get('actor/grad_norm'))} | {reward} |")  # fmt: skip
         q = row["ratio"]
         lines.append(f"| {key} | **ours / FSDP** | **{_f(q['update_tokens_per_s'])}x** "
@@ -246,6 +265,7 @@ def parse(argv: list[str] | None):
     p.add_argument("--models", default="tiny,mini")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1, help="runs per engine; medians reported")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="the ones to launch; the others' runs must be in --out already")  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "runs/ab_engines")
@@ -260,9 +280,15 @@ def parse(argv: list[str] | None):
     return args
 
 
-def run_one(args, model: str, world: int, engine: str, seed: Path | None, peaks: dict) -> int:
-    """One launch into <out>/<model>-w<world>-<engine> (made from `seed`'s model and data)."""
-    run_dir = args.out / f"{model}-w{world}-{engine}"
+def run_name(model: str, world: int, engine: str, repeat: int = 0) -> str:
+    """A launch's directory under --out: the first run of a pair keeps the plain name."""
+    return f"{model}-w{world}-{engine}" + (f"-r{repeat}" if repeat else "")
+
+
+def run_one(args, model: str, world: int, engine: str, seed: Path | None, peaks: dict,
+            repeat: int = 0) -> int:  # fmt: skip
+    """One launch into <out>/<run_name> (made from `seed`'s model and data)."""
+    run_dir = args.out / run_name(model, world, engine, repeat)
     if seed is not None and seed != run_dir:
         seed_from(seed, run_dir)
     print(f"{model}/world{world} {engine}: {args.steps} steps in {run_dir}", flush=True)
@@ -278,24 +304,54 @@ def run_one(args, model: str, world: int, engine: str, seed: Path | None, peaks:
 
 
 def model_rows(args, model: str, peaks: dict) -> dict | int:
-    """{model/worldW: {fsdp, mcore_ep, ratio}} for one model, launching what --engines names."""
+    """{model/worldW: {fsdp, mcore_ep, ratio}} for one model, launching what --engines names
+    --repeats times (the engines alternating); each engine's figures are the median of its
+    runs, their spread beside them."""
     rows, worlds = {}, list(map(int, args.worlds.split(",")))
-    dirs = [args.out / f"{model}-w{w}-{e}" for w in worlds for e in ENGINES]
+    dirs = [args.out / run_name(model, w, e) for w in worlds for e in ENGINES]
     seed = next((d for d in dirs if (d / "data").is_dir()), None)  # model and data made once
     for world in worlds:
-        row = {}
-        for engine in ENGINES:
-            if engine in args.launch:
-                if run_one(args, model, world, engine, seed, peaks) != 0:
-                    return 1
-                seed = seed or args.out / f"{model}-w{world}-{engine}"
-            run_dir = args.out / f"{model}-w{world}-{engine}"
-            if not list((run_dir / "metrics").glob("*.jsonl")):
-                print(f"error: {run_dir} holds no run's metrics: launch it (--engines {engine})")
-                return 2
-            row[engine] = reduce_run(read_rows(run_dir), peaks.get(run_dir.name, {}))
+        runs = {engine: [] for engine in ENGINES}
+        for repeat in range(args.repeats):
+            for engine in ENGINES:
+                if engine in args.launch:
+                    if run_one(args, model, world, engine, seed, peaks, repeat) != 0:
+                        return 1
+                    seed = seed or args.out / run_name(model, world, engine)
+                run_dir = args.out / run_name(model, world, engine, repeat)
+                if not list((run_dir / "metrics").glob("*.jsonl")):
+                    print(
+                        f"error: {run_dir} holds no run's metrics: launch it (--engines {engine})"
+                    )
+                    return 2
+                runs[engine].append(reduce_run(read_rows(run_dir), *rank_memory(run_dir, peaks)))
+        row = {engine: median_run(runs[engine]) for engine in ENGINES}
         rows[f"{model}/world{world}"] = {**row, "ratio": ratios(row["mcore_ep"], row["fsdp"])}
     return rows
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The first run's record with each figure of RATIOS replaced by the median over `runs`,
+    `spread` {figure: [min, max]} and `runs` (every run's record) added."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {**runs[0], "runs": runs, "spread": {}}
+    for key in RATIOS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+        out["spread"][key] = [min(values), max(values)] if values else None
+    return out
+
+
+def rank_memory(run_dir: Path, peaks: dict) -> tuple[dict, list[dict]]:
+    """The launch's {pid: peak MiB} and its ranks' memory breakdown. The probe resets each
+    rank's VmHWM at its points, so a rank's peak is the larger of the sampler's and the
+    probe's."""
+    sampled = dict(peaks.get(run_dir.name, {}))
+    ranks = breakdown(run_dir / PROBE_DIR, sampled)
+    for rank in ranks:
+        sampled[str(rank["pid"])] = max(sampled[str(rank["pid"])], round(rank["peak"]))
+    return sampled, ranks
 
 
 def start_weights(args, model: str) -> Path | None:
@@ -327,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"runs": results, "parity": parity, "goal": goal(results)}
     earlier.write_text(json.dumps(summary, indent=1))
     print(table(results, parity))
+    print(memory_table(results))
     g = summary["goal"]
     if g["measured"]:
         print(f"goal (ours >= {GOAL['update_speedup']}x FSDP update tok/s at <= "
