@@ -1,12 +1,16 @@
 """The memory probe reads a rank's memory from the process at its optimizer's steps."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from backend.instruments.memory_probe import MemoryProbe, optimizer_bytes, storage_bytes
 
 MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lines(tmp_path):
@@ -14,26 +18,34 @@ def _lines(tmp_path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_points_and_what_the_optimizer_holds(tmp_path):
-    """Bugs caught: a missed point, optimizer states not counted (or counted before the first
-    step made them), gradients missing, a peak window that does not see a pass's activations."""
+def train_two_steps(out: str) -> None:
+    """Two AdamW steps of a 2-layer model, each after a pass that touches 64 MiB and frees it
+    before the step, under the probe (run in a fresh interpreter: an earlier test's freed heap
+    could hold the pass without new pages)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
     optimizer = torch.optim.AdamW(model.parameters())
-    probe = MemoryProbe(tmp_path).install()
+    probe = MemoryProbe(Path(out)).install()
     try:
         for _ in range(2):
-            scratch = torch.ones(16 << 20)  # 64 MiB of activations, touched, freed before step
+            scratch = torch.ones(16 << 20)  # 64 MiB of activations, touched
             model(torch.randn(8, 256) + scratch[:256]).sum().backward()
             del scratch
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
         probe.remove()
+
+
+def test_points_and_what_the_optimizer_holds(tmp_path):
+    """Bugs caught: a missed point, optimizer states not counted (or counted before the first
+    step made them), gradients missing, a peak window that does not see a pass's activations."""
+    code = f"from tests.backend.test_memory_probe import train_two_steps; train_two_steps({str(tmp_path)!r})"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
     lines = _lines(tmp_path)
     points = ["first_forward", "pre_step", "post_step", "pre_step", "post_step"]
     assert [r["point"] for r in lines] == points
-    params_mib = sum(p.numel() * 4 for p in model.parameters()) / MIB
+    params_mib = 2 * (256 * 256 + 256) * 4 / MIB
     pre, post = lines[1], lines[2]
     assert pre["params_mib"] == params_mib and pre["grads_mib"] == params_mib
     assert pre["optimizer_states_mib"] == 0  # AdamW makes its states at its first step
@@ -99,7 +111,7 @@ def test_glibcs_retained_free_memory_is_seen():
     heap_free_mib: the part of a rank's memory that fragmentation, not the engine, keeps."""
     from backend.instruments.memory_probe import malloc_heap_mib
 
-    before = malloc_heap_mib()["heap_free_mib"]
     small = [torch.ones(1000) for _ in range(50_000)]  # 4 KB each: from the heap, not mmap
+    before = malloc_heap_mib()["heap_free_mib"]
     del small[::2]  # every other one freed: holes between live blocks stay in the heap
     assert malloc_heap_mib()["heap_free_mib"] - before > 50

@@ -24,6 +24,9 @@ class EngineConfigError(ValueError):
     """An mcore_ep engine setting this engine cannot run."""
 
 
+TRIM_HEAP = ("phase", "step", "off")  # cpu_trim_heap's values
+
+
 @dataclass
 class McoreEpEngineConfig(EngineConfig):
     """Parallel plan and actor options of the mcore_ep engine.
@@ -60,6 +63,10 @@ class McoreEpEngineConfig(EngineConfig):
     run's last save, which returns sealed, is counted in trainer steps.
     cpu_threads: on device cpu, torch's intra-op threads for this rank (0: the process's own
     setting); the embedded run gives each rank its share of the cores (recipes.local.cpu_overrides).
+    cpu_trim_heap: on device cpu, when to return the C library's free heap memory to the OS
+    (backend.platform.host_heap): "phase", at each offload (the end of an update or an
+    old-log-prob pass); "step", after every optimizer step too (lower peak, slower update);
+    "off", glibc's retention.
     """
 
     strategy: str = BACKEND
@@ -84,6 +91,7 @@ class McoreEpEngineConfig(EngineConfig):
     resume_from: str | None = None
     updates_per_step: int = 1
     cpu_threads: int = 0
+    cpu_trim_heap: str = "phase"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -132,6 +140,10 @@ class McoreEpEngineConfig(EngineConfig):
             raise EngineConfigError(
                 f"cpu_threads={self.cpu_threads!r}: give torch's thread count for a CPU rank "
                 "(0: leave the process's own)"
+            )
+        if self.cpu_trim_heap not in TRIM_HEAP:
+            raise EngineConfigError(
+                f"cpu_trim_heap={self.cpu_trim_heap!r}: choose {', '.join(TRIM_HEAP)}"
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise EngineConfigError(

@@ -50,6 +50,7 @@ from verl.workers.engine.base import BaseEngineCtx
 from backend.instruments.comm_bytes import CommBytes
 from backend.instruments.router_instruments import RouterInstruments
 from backend.instruments.timing import StepTimer
+from backend.platform.host_heap import trim_host_heap
 from backend.training.optim import DP_REDUCTION, OptimSettings, make_optimizer
 from backend.training.schedule import is_last_stage
 from recipes.dapo.checkpoints import async_save
@@ -227,6 +228,15 @@ class McoreEpEngine(BaseEngine):
                 self.optim.offload(model=model, optimizer=optimizer)
             elif model:  # forward-only (reference) module, no DDP buffers
                 self.module.to("cpu")
+            # verl offloads at the end of each phase (update, old log-probs): the pass's freed
+            # activations go back to the OS while the rollout runs
+            self._trim_heap("phase", "step")
+
+    def _trim_heap(self, *modes: str) -> None:
+        """On cpu, under one of `modes` of cpu_trim_heap: the C library's free heap pages back
+        to the OS (backend.platform.host_heap)."""
+        if self.device == "cpu" and self.engine_config.cpu_trim_heap in modes:
+            trim_host_heap()
 
     @contextlib.contextmanager
     def weights_loaded(self):
@@ -295,6 +305,7 @@ class McoreEpEngine(BaseEngine):
         self._comm_take("other")
         self.timer.step_begin()
         outputs = super().train_batch(data, loss_function)
+        self._trim_heap("step")  # the mini-batch's freed activations, before the next one
         guarded = self.guards.end_step(self.groups.dp, self._torch_device)
         outputs["metrics"].update(as_lists(guarded))
         self.metrics.end_optimizer_step()
