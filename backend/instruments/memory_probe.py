@@ -16,10 +16,10 @@ A process with several optimizers (megatron-core chains one for the dense parame
 for the experts) gets a point per optimizer's step, each counting what all of them hold.
 
 Each line has RSS split by /proc/self/smaps_rollup (anonymous, file-backed), glibc's heap and
-the free memory it retains (mallinfo2) and, at the step
-points, the bytes of what the optimizer holds: parameters, gradients (`.grad`, or megatron's
-`.main_grad` buffer) and optimizer states, each storage counted once (views into one flat
-buffer share it). Installed only where MEMORY_PROBE_ENV names a directory.
+the free memory it retains (mallinfo2) and, at the step points, the bytes of what the
+optimizers hold: parameters, gradients (`.grad`, or megatron's `.main_grad` buffer) and
+optimizer states, each storage counted once (views into one flat buffer share it). Installed
+only where MEMORY_PROBE_ENV names a directory.
 """
 
 import ctypes
@@ -35,7 +35,7 @@ MEMORY_PROBE_ENV = "MCORE_MEMORY_PROBE_DIR"
 MIB = 1 << 20
 
 
-def read_smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+def read_smaps_rollup(pid: int | str = "self") -> dict[str, float]:
     """kB fields of /proc/<pid>/smaps_rollup as MiB: rss, anon, file (rss - anon - shmem)."""
     kb = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
