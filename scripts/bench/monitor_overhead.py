@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from parallel.models import MINI_QWEN3_MOE, QWEN3_30B_A3B, TINY_QWEN3_MOE
+from recipes.local.cpu_overrides import CPU_ENGINE
 
 
 def _shape(config: dict, layers: int, seq: int, batch: int) -> dict:
@@ -132,7 +133,8 @@ def build(shape: dict, device: str, dtype: torch.dtype, modules: str = "ours"):
         max_position_embeddings=max(shape["seq"], 256),
     )
     spec = load_qwen3_moe_spec(config)
-    chosen = dict(experts="grouped", attention="sdpa") if modules == "ours" else {}
+    # the CPU run's modules (BuildOptions has no packed switch: the bench's rows are padded)
+    chosen = {k: CPU_ENGINE[k] for k in ("experts", "attention")} if modules == "ours" else {}
     return (
         spec,
         groups,
