@@ -16,7 +16,7 @@ DESCRIPTION = (
 CLUSTER_PLAN = {"tp": 4, "ep": 8, "etp": 1, "pp": 1, "cp": 1}
 CLUSTER_NODES, CLUSTER_DEVICES_PER_NODE = 4, 8  # --nodes, --devices-per-node
 CLUSTER_ONLY = ("train_file", "val_file", "ifname", "skew_from")
-LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps")
+LOCAL_ONLY = ("steps", "seed", "resume", "warmup_steps", "task")
 LOCAL_OUT = "runs/local_dapo"  # the local run's directory without --ckpt-dir
 
 
@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.add_argument(
         "--seed", type=int, default=None, help="random seed of a built model (tiny, mini)"
+    )
+    local.add_argument(
+        "--task",
+        choices=("sums", "guessing_sums"),
+        default=None,
+        help="the mini model's task: sums (the default) or guessing_sums (its warm-up mostly "
+        f"guesses: still learning at step 30, default {TASKS['guessing_sums']['steps']} steps; "
+        "docs/mini_task.md)",
     )
     local.add_argument(
         "--warmup-steps",

@@ -63,6 +63,7 @@ def mode_lines(resolved) -> list[str]:
     values = {
         "sync_step": overrides.value_of(resolved.groups, trainer_modes.SYNC_STEP),
         "bypass_mode": overrides.value_of(resolved.groups, trainer_modes.BYPASS),
+        "rollout_is": overrides.value_of(resolved.groups, trainer_modes.ROLLOUT_IS),
     }
     sp = trainer_modes.run_split(run)
     lines = trainer_modes.describe(run.trainer_mode, run.device, sp, values)

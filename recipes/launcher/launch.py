@@ -98,7 +98,13 @@ def prepare_local(spec: RunSpec) -> float:
     out = spec.out
     if not spec.resume and local_checks.earlier_run(out):
         print(local_checks.set_aside_line(out, local_checks.set_aside(out)))
-    prepare(out, seed=spec.seed or 0, model=spec.local.name, warmup_steps=spec.warmup_steps)
+    prepare(
+        out,
+        seed=spec.seed or 0,
+        model=spec.local.name,
+        warmup_steps=spec.warmup_steps,
+        task=spec.local.task,
+    )
     return time.perf_counter() - t0
 
 
@@ -149,6 +155,8 @@ def settle_resume(groups: dict[str, dict]) -> None:
     if note:
         print(note)
     step_dir = resume.check_resume(groups, ray_job.REPO)
+    if step_dir is not None and not note:  # the note names it where one was half written
+        print(resume.resuming_line(step_dir))
     if step_dir is not None and overrides.runs_ours(groups):
         key = f"{overrides.ENGINE}.resume_from"
         groups["engine"][key] = str((step_dir / ACTOR).resolve())

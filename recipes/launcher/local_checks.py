@@ -74,6 +74,18 @@ def check_resume(groups: dict[str, dict], out: Path) -> None:
         )
 
 
+def check_task(out: Path, task: str, resume: bool) -> None:
+    """--resume continues a run on the task its data was made for (recipes.local.run.data_task)."""
+    from recipes.local.run import data_task
+
+    made = data_task(out)
+    if resume and made not in (None, task):
+        raise LaunchError(
+            f"--resume: the run in {out} trained on the {made} task, this launch's is {task}: "
+            "continue it with its own --model and --task, or drop --resume to start a new run"
+        )
+
+
 def earlier_run(out: Path) -> bool:
     """Whether a run wrote its outputs into `out` (a dry run, which writes nothing, did not)."""
     return any(_holds(out / name) for name in RUN_OUTPUTS)

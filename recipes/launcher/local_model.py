@@ -11,7 +11,7 @@ against its config. Each problem: one line (LaunchError) naming it and the fix.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from recipes.dapo.errors import LaunchError
@@ -55,8 +55,22 @@ class LocalModel:
         return f"model: {self.path} ({shape}; your HF Qwen3-MoE, used in place)"
 
 
-def choose(flag: str | None, extra: list[str], out: Path) -> LocalModel:
-    """The model of `--model` and the pass-through overrides, checked (one line each)."""
+def choose(flag: str | None, extra: list[str], out: Path, task: str | None = None) -> LocalModel:
+    """The model of `--model` and the pass-through overrides, with the `--task` it trains on
+    (its default without one), checked (one line each)."""
+    model = _chosen(flag, extra, out)
+    if task is None or task == model.task:
+        return model
+    choices = built_models.TASK_CHOICES.get(model.name, ()) if model.built else ()
+    if task not in choices:
+        raise LaunchError(
+            f"--task {task} is a task of --model mini (its SFT warm-up writes the task's "
+            f"working), not of {model.name}: drop --task, or add --model mini"
+        )
+    return replace(model, task=task)
+
+
+def _chosen(flag: str | None, extra: list[str], out: Path) -> LocalModel:
     passed = [i.split("=", 1)[1] for i in extra if "=" in i and overrides.key_of(i) == MODEL_KEY]
     given = Path(passed[-1]).expanduser() if passed else None
     if flag is not None and given is not None and _as_dir(flag) != given.absolute():

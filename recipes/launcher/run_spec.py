@@ -113,7 +113,7 @@ def _cluster(args, device: str, extra: list[str]) -> RunSpec:
 
 
 def _local(args, extra: list[str]) -> RunSpec:
-    from recipes.launcher.local_checks import model_fit
+    from recipes.launcher.local_checks import check_task, model_fit
 
     given = [n for n in CLUSTER_ONLY if getattr(args, n)]
     if given:
@@ -125,7 +125,8 @@ def _local(args, extra: list[str]) -> RunSpec:
     dims = {d: getattr(args, d) or 1 for d in CLUSTER_PLAN}
     _check_engine(args, dims)
     out = Path(args.ckpt_dir or LOCAL_OUT).expanduser().absolute()
-    model = local_model.choose(args.model, extra, out)
+    model = local_model.choose(args.model, extra, out, args.task)
+    check_task(out, model.task, args.resume)
     if args.warmup_steps is not None and not model.warmed:
         raise LaunchError(
             f"--warmup-steps applies to --model mini (its SFT warm-up), not to {model.name}: "

@@ -78,7 +78,11 @@ SUMS = dict(
     run_name="qwen3-moe-sums",
     steps=20,  # validation >= 0.9 from about step 5 (docs/mini_task.md)
 )
-TASKS = {"doubles": TOY, "sums": SUMS}
+# --task guessing_sums (recipes.local.task.sums.GUESSING_SUMS): the same sums and RL, from a warm-up
+# whose teacher works one long sum in five out; the horizon that ranks trainer modes and
+# corrections (docs/async_modes.md)
+GUESSING_SUMS = dict(SUMS, run_name="qwen3-moe-guessing-sums", steps=40)
+TASKS = {"doubles": TOY, "sums": SUMS, "guessing_sums": GUESSING_SUMS}
 
 
 # run-health alarms (backend.monitor.alarms.AlarmRules; the rest at their defaults), for the

@@ -13,6 +13,7 @@
 """
 
 import json
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -24,31 +25,48 @@ METRICS = "metrics"  # verl's file logger, one jsonl per launch
 MODEL_KEY = "actor_rollout_ref.model.path"
 
 
-def prepare(out: Path, seed: int = 0, model: str = "tiny",
-            warmup_steps: int | None = None) -> tuple[Path | None, dict]:  # fmt: skip
+def prepare(out: Path, seed: int = 0, model: str = "tiny", warmup_steps: int | None = None,
+            task: str | None = None) -> tuple[Path | None, dict]:  # fmt: skip
     """<out>/<model>_hf (a built model + tokenizer; none for a user's directory), <out>/data
-    (train/val parquet; sft too for the sums task), the mini model's warm-up (<out>/sft_hf)
-    and <out>/metrics, made once (the launcher calls it once its checks pass); returns the
+    (train/val parquet; sft too for a sums task), the mini model's warm-up (<out>/sft_hf)
+    and <out>/metrics, made once (the launcher calls it once its checks pass); data made for
+    another task (task.json) is made again, with the warm-up it taught. Returns the
     directory RL reads for a built model (None for a directory) and the data files."""
     from transformers.utils.logging import disable_progress_bar
 
-    from recipes.local.task.built_models import BUILT, TASK_OF, make_built
+    from recipes.local.task import sums
+    from recipes.local.task.built_models import BUILT, TASK_OF, make_built, warmed_dir
     from recipes.local.task.doubles import write_data
-    from recipes.local.task.sums import write_sums_data
     from recipes.local.warmup import WARMUP, warm_up
 
     disable_progress_bar()  # the launcher's console shows no library progress bars
     hf_dir = make_built(out, model, seed) if model in BUILT else None
-    task = TASK_OF.get(model, "doubles")
+    task = task or TASK_OF.get(model, "doubles")
     data_dir = out / "data"
-    splits = ("train", "val", "sft") if task == "sums" else ("train", "val")
+    splits = ("train", "val", "sft") if task in sums.TASKS else ("train", "val")
     files = {s: data_dir / f"{s}.parquet" for s in splits}
+    if data_task(out) not in (None, task):  # the warm-up learnt the other task's corpus
+        shutil.rmtree(data_dir)
+        shutil.rmtree(warmed_dir(out), ignore_errors=True)
     if not all(p.is_file() for p in files.values()):
-        files = write_sums_data(data_dir, seed=seed) if task == "sums" else write_data(data_dir)
-    if task == "sums":
+        if task in sums.TASKS:
+            files = sums.write_sums_data(data_dir, seed=seed, task=sums.TASKS[task])
+        else:
+            files = write_data(data_dir)
+    if task in sums.TASKS:
         hf_dir = warm_up(out, hf_dir, files["sft"], warmup_steps or WARMUP["steps"])
     (out / METRICS).mkdir(exist_ok=True)
     return hf_dir, files
+
+
+def data_task(out: Path) -> str | None:
+    """The task of the data a launch made in `out` (its task.json; the toy's names none), or
+    None where none was made."""
+    try:
+        made = json.loads((out / "data" / "task.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return made.get("task", "doubles")
 
 
 def trained_model(groups: dict[str, dict]) -> Path:

@@ -132,3 +132,54 @@ def test_warmup_steps_belong_to_the_mini_model(tmp_path, capsys):
     resolved, out, model = _resolve(["--model", "mini", "--ckpt-dir", str(tmp_path / "m")])
     assert model.warmed and model.path == out / "sft_hf" and resolved.run.task == "sums"
     assert "SFT warm-up on the sums task" in resolved.describe()
+
+
+def test_task_flag_picks_the_mini_models_variant_and_only_its(tmp_path, capsys):
+    """--task guessing_sums: the variant's steps reach verl, the dry run names the task; on the
+    tiny model it is one line, exit 2, nothing written; --resume of a run made on the other
+    task is refused. Catches a flag silently ignored or a resume onto another task's data."""
+    from recipes.dapo.job.overrides import value_of
+
+    resolved, out, model = _resolve(["--task", "guessing_sums", "--ckpt-dir", str(tmp_path / "m"),
+                                     "--dry-run"])  # fmt: skip
+    assert model.task == resolved.run.task == "guessing_sums" and model.warmed
+    groups = resolved.groups
+    assert value_of(groups, "data.max_response_length") == 48
+    assert value_of(groups, "trainer.total_training_steps") == 40
+    assert "SFT warm-up on the guessing_sums task" in resolved.model_line
+    code = launch.main(["--device", "cpu", "--model", "tiny", "--task", "guessing_sums",
+                        "--ckpt-dir", str(tmp_path / "t")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and "--task guessing_sums is a task of --model mini" in err
+    )
+    assert not (tmp_path / "t").exists()
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "task.json").write_text('{"task": "sums"}')
+    (out / "checkpoints" / "global_step_2").mkdir(parents=True)
+    code = launch.main(["--device", "cpu", "--task", "guessing_sums", "--ckpt-dir", str(out),
+                        "--resume", "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "--resume: the run in" in err and "trained on the sums task" in err
+
+
+def test_data_of_another_task_is_made_again_with_its_warmup(tmp_path, monkeypatch):
+    """A directory a tiny (doubles) or sums run prepared, relaunched on guessing_sums: its data is
+    made for the new task and the old warm-up's export is dropped (it learnt the other corpus).
+    Catches a run training the variant on the default's data or from its warm-up."""
+    from recipes.local import warmup
+
+    warmed = []
+    monkeypatch.setattr(warmup, "warm_up", lambda out, base, sft, steps: warmed.append(sft) or out)
+    out = tmp_path / "run"
+    _, files = local_run.prepare(out, model="tiny")
+    assert local_run.data_task(out) == "doubles" and set(files) == {"train", "val"}
+    (out / "sft_hf").mkdir()
+    (out / "sft_hf" / "tokenizer.json").write_text("{}")  # an earlier warm-up's export
+    _, files = local_run.prepare(out, model="tiny", task="guessing_sums")
+    assert local_run.data_task(out) == "guessing_sums" and set(files) == {"train", "val", "sft"}
+    assert warmed == [files["sft"]] and not (out / "sft_hf").exists()
+    _, again = local_run.prepare(out, model="tiny", task="guessing_sums")  # made once
+    assert again == files and len(warmed) == 2  # warm_up is asked, and finds its own export

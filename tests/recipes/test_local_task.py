@@ -151,3 +151,41 @@ def test_the_warmups_corpus_answers_half_the_long_sums_by_a_guess():
         s.working for s in sums
     ]
     assert Sum((2, 1, 3)).working == "2+1=3\n3+3=6\nAnswer: 6"
+
+
+def test_guessing_sums_differ_from_the_default_in_their_teacher_and_validation_only():
+    """`--task guessing_sums` (the modes' ranking task): the default's sums and RL settings, a
+    corpus that guesses 80% of the sums of two or more operands, and a validation set where one
+    flipped answer moves the mean by at most 0.005. Catches a variant that also changes the
+    table or the RL settings (a ranking would then not be on the task the run trains), or a
+    validation set too small to rank."""
+    from recipes.local.cpu_overrides import GUESSING_SUMS, SUMS
+    from recipes.local.task import sums
+
+    task = sums.GUESSING_SUMS
+    assert (task.max_operands, task.max_digit, task.max_sum) == (6, 3, 9)
+    assert (task.guess_share, sums.SUMS.guess_share) == (0.8, 0.5)
+    assert 1 / (task.val * GUESSING_SUMS["val_n"]) <= 0.005 and sums.SUMS.val == 16
+    changed = {k for k in SUMS if SUMS[k] != GUESSING_SUMS[k]}
+    assert changed == {"run_name", "steps"} and GUESSING_SUMS["steps"] == 40
+    assert sums.SUMS.max_response_tokens == sums.MAX_RESPONSE_TOKENS == 40
+
+
+def test_the_guessing_corpus_guesses_four_long_sums_in_five(tmp_path):
+    """The variant's files: task.json names it (the launcher remakes data of another task), 32
+    validation prompts, the same train sums as the default's, and four in five of the warm-up's
+    long sums guessed. Catches a corpus the share never reached, or train data drawn apart
+    from the default's (the variant's runs would then differ in more than the warm-up)."""
+    import json
+
+    from recipes.local.task import sums
+
+    default = sums.write_sums_data(tmp_path / "d", train=64, sft=2000)
+    paths = sums.write_sums_data(tmp_path / "g", train=64, sft=2000, task=sums.GUESSING_SUMS)
+    assert json.loads((tmp_path / "g" / "task.json").read_text())["task"] == "guessing_sums"
+    assert len(pd.read_parquet(paths["val"])) == 32
+    assert pd.read_parquet(paths["train"]).equals(pd.read_parquet(default["train"]))
+    conversations = pd.read_parquet(paths["sft"])["messages"]
+    long = [m for m in conversations if "+" in m[0]["content"]]
+    guessed = [m for m in long if "\n" not in m[1]["content"]]
+    assert 0.77 < len(guessed) / len(long) < 0.83

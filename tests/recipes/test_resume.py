@@ -385,3 +385,32 @@ def test_refusal_names_cover_every_checkpoint_error():
     for name in ("backend.shared.errors.CheckpointError", "converters.manifest.ManifestError",
                  "converters.pickles.safe_pickle.UnsafeCheckpointError"):  # fmt: skip
         assert name in names
+
+
+def test_a_relaunch_after_a_kill_names_the_checkpoint_it_continues_from(tmp_path, capsys):
+    """After a kill -9 between saves nothing is half written, and the console still says which
+    checkpoint the run continues from, and that the async modes' queue state was checked with
+    it. Bug caught: a resumed run the user cannot tell from a fresh start, or a queue state
+    taken without its allow-list check (a crafted one stops the relaunch in one line)."""
+    from converters.manifest import NAME
+    from recipes.dapo.checkpoints.files import MODEL_DIR, TRACKER
+    from recipes.launcher.launch import settle_resume
+
+    ckpt = tmp_path / "checkpoints"
+    step = ckpt / "global_step_4"
+    (step / "actor" / MODEL_DIR).mkdir(parents=True)
+    (step / "actor" / MODEL_DIR / NAME).write_text("{}")  # sealed
+    (ckpt / TRACKER).write_text("4")
+    groups = {"trainer": {"trainer.default_local_dir": str(ckpt),
+                          "trainer.v1.trainer_mode": "colocate_async"}}  # fmt: skip
+    settle_resume(groups)
+    assert capsys.readouterr().out == f"resuming from {step}\n"
+    (step / resume.QUEUE_STATE).mkdir()
+    (step / resume.QUEUE_STATE / "meta.pkl").write_bytes(b"cos\nsystem\n(S'true'\ntR.")
+    with pytest.raises(CheckpointError, match="meta.pkl"):
+        settle_resume(groups)
+    (step / resume.QUEUE_STATE / "meta.pkl").unlink()
+    settle_resume(groups)
+    assert capsys.readouterr().out == (
+        f"resuming from {step}, with the prompts verl's queue held (transfer_queue/, checked)\n"
+    )

@@ -179,3 +179,14 @@ def test_the_console_explains_the_lag_once_at_the_first_off_policy_step(tmp_path
     shown = out.getvalue().splitlines()
     assert shown.count(LAG_LEGEND) == 1
     assert shown.index(LAG_LEGEND) == shown.index(next(s for s in shown if "2/3" in s)) - 1
+
+
+def test_the_dry_run_says_when_tis_is_turned_off(tmp_path):
+    """colocate_async without its TIS (`-- algorithm.rollout_correction.rollout_is=null`, the
+    ranking's "no correction" arm): the dry run says no correction, not TIS. Bug caught: the
+    mode's line naming TIS from the mode alone while verl's config has none."""
+    base = ["--model", "tiny", "--ckpt-dir", str(tmp_path), "--trainer-mode", "colocate_async"]
+    with_tis = resolved(base).describe()
+    without = resolved(base, ["algorithm.rollout_correction.rollout_is=null"]).describe()
+    assert "trainer mode: colocate_async, rollout correction TIS (token, weights <= 2)" in with_tis
+    assert "trainer mode: colocate_async, rollout correction none (rollout_is=null" in without

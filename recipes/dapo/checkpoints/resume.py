@@ -160,6 +160,14 @@ def settle_unfinished(groups: dict[str, dict], cwd: Path) -> str | None:
     return f"resuming from {older[-1]}, the newest complete checkpoint: {tracked} {_WHY}"
 
 
+def resuming_line(step_dir: Path) -> str:
+    """The console's line naming the checkpoint a relaunch continues from (after a kill the
+    tracker names the newest complete one: recipes.dapo.checkpoints.async_save seals it last)."""
+    queue = (Path(step_dir) / QUEUE_STATE).is_dir()
+    held = ", with the prompts verl's queue held (transfer_queue/, checked)" if queue else ""
+    return f"resuming from {step_dir}{held}"
+
+
 def check_resume(groups: dict[str, dict], cwd: Path) -> Path | None:
     """Before anything starts: the directory verl will resume from (None: none), checked."""
     step_dir = resume_dir(groups, cwd)

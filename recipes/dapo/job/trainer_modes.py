@@ -43,6 +43,7 @@ DECOUPLED_MODE = "mcore_separate_async"
 DECOUPLED_MODULE = "recipes.dapo.engine.decoupled"
 MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 BYPASS = "algorithm.rollout_correction.bypass_mode"
+ROLLOUT_IS = "algorithm.rollout_correction.rollout_is"
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ def describe(mode: str, device: str, sp: Split, values: dict) -> list[str]:
         return ["trainer mode: sync (generate, then train, on the same devices)"]
     bypass = str(values.get("bypass_mode")).lower() == "true"
     tis = f"TIS (token, weights <= {TIS['rollout_is_threshold']:g})"
+    if values.get("rollout_is", TIS["rollout_is"]) in (None, "null", "None"):
+        tis = "none (rollout_is=null: PPO's ratio to the recomputed old log-probs alone)"
     clip = "PPO's clip on the ratio to the rollout's log-probs (bypass)"
     lines = [f"trainer mode: {mode}, rollout correction {clip if bypass else tis}"]
     if mode == "separate_async":

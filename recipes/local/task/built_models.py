@@ -17,6 +17,8 @@ DEFAULT = "mini"
 # each model's task (recipes.local.cpu_overrides.TASKS): the mini model answers worked sums from
 # an SFT warm-up (recipes.local.warmup); the tiny one and a user's directory the doubles
 TASK_OF = {"tiny": "doubles", "mini": "sums"}
+# the tasks `--task` may pick for each: the default first (recipes.local.task.sums.TASKS)
+TASK_CHOICES = {"tiny": ("doubles",), "mini": ("sums", "guessing_sums")}
 WARMED = ("mini",)  # RL starts from <out>/sft_hf, the warm-up's export
 SFT_DIR = "sft_hf"  # under the run directory: the warm-up's export
 SHAPE_NAMES = {"tiny": "TINY_QWEN3_MOE", "mini": "MINI_QWEN3_MOE"}
