@@ -25,19 +25,25 @@ def finished_run(path: Path, vals: list[float], score: float = 0.5) -> None:
         rows.append(row)
     write_run(path, rows)
     (path / "summary.json").write_text("{}")
+    (path / "data").mkdir()
+    (path / "data" / "task.json").write_text(json.dumps({"task": mr.TASK}))
 
 
 def test_only_runs_not_done_are_launched_at_most_max_runs(tmp_path):
-    """The table grows over sittings: a done run (its summary written) is never launched
-    again, and --max-runs bounds a sitting. Bug caught: a finished 15-minute run repeated,
-    or a partial one (killed, no summary) taken as done."""
+    """The table grows over sittings: a done run (its summary written, on the bench's task) is
+    never launched again, and --max-runs bounds a sitting. Bug caught: a finished 15-minute run
+    repeated, a partial one (killed, no summary) or one of another task taken as done."""
     finished_run(mr.run_dir(tmp_path, "sync", 0), [0.0] * 9)
     (mr.run_dir(tmp_path, "sync", 1) / "metrics").mkdir(parents=True)  # killed mid-run
+    finished_run(mr.run_dir(tmp_path, "sync-R3", 1), [0.0] * 9)
+    (mr.run_dir(tmp_path, "sync-R3", 1) / "data" / "task.json").write_text('{"task": "sums"}')
     calls = []
     launch = lambda arm, seed, steps, path: calls.append((arm, seed, steps, path.name)) or 0  # noqa: E731
     failed = mr.launch_missing(tmp_path, ["sync", "sync-R3"], [0, 1], 40, 2, launch)
     assert calls == [("sync", 1, 40, "sync-s1"), ("sync-R3", 0, 40, "sync-R3-s0")]
     assert failed == 2  # the fake wrote no summary: a launch that ends without one failed
+    mr.launch_missing(tmp_path, ["sync-R3"], [1], 40, None, launch)
+    assert calls[-1] == ("sync-R3", 1, 40, "sync-R3-s1")  # a default-task run is not this bench's
 
 
 def test_each_arm_is_the_main_job_on_guessing_sums_with_its_overrides(tmp_path):

@@ -62,8 +62,12 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 
 
 def done(path: Path) -> bool:
-    """A run is done once the launcher wrote its summary (after verl's last step)."""
-    return (path / "summary.json").is_file()
+    """A run is done once the launcher wrote its summary (after verl's last step), on this
+    bench's task (a directory of another task's run is launched again: the launcher sets that
+    run aside)."""
+    from recipes.local.run import data_task
+
+    return (path / "summary.json").is_file() and data_task(path) == TASK
 
 
 def command(arm: str, seed: int, steps: int, path: Path) -> list[str]:
