@@ -18,9 +18,9 @@ longer (docs/mini_task.md has the measured curve).
 and corrections over 40 steps and more: the same sums, from a teacher who guesses 80% of the
 sums of two or more operands (the default's: 50%). The warmed policy rarely works a sum out
 and, having seen each fact worked less often, gets some wrong when it does: RL makes working
-the rule in ~10 steps, then sharpens the facts, still rising at step 30 (docs/mini_task.md has
-the designs tried). Its validation set is 32 prompts (256 answers at 8 samples each: one flipped answer
-moves the mean by 0.004).
+the rule in ~10 steps, then sharpens the facts (docs/mini_task.md has the designs tried and
+the curves). Its validation set is 32 prompts (256 answers at 8 samples each: one flipped
+answer moves the mean by 0.004).
 """
 
 import json
