@@ -20,7 +20,7 @@ sums of two or more operands (the default's: 50%). The warmed policy rarely work
 and, having seen each fact worked less often, gets some wrong when it does: RL makes working
 the rule in ~10 steps, then sharpens the facts (docs/mini_task.md has the designs tried and
 the curves). Its validation set is 32 prompts (256 answers at 8 samples each: one flipped
-answer moves the mean by 0.004).
+answer moves the mean accuracy by 0.004, the mean reward by 0.008).
 """
 
 import json

@@ -6,10 +6,11 @@ the warm-up (kept in the warm-up cache, so each seed's is made once). A run whos
 holds its summary.json is done and never launched again: the table grows over several
 sittings (`--max-runs N` launches at most N new runs, then reduces everything in --out).
 From each run's metrics (verl's file logger, scripts.bench.launches.async_modes): the train
-score and validation reward curves, entropy, ppo_kl, |rollout - actor log-prob|, the lag,
-steps/min. An arm's figure is its late validation reward (the mean of the last
-LATE_VALIDATIONS), over its seeds; a difference between two arms is called real only where
-it exceeds the larger of their seed-to-seed ranges. Writes <out>/mode_ranking.json and
+score and validation curves, entropy, ppo_kl, |rollout - actor log-prob|, the lag,
+steps/min, and how far validation falls late in a run. An arm's figure is its late validation
+accuracy (the mean of the last LATE_VALIDATIONS), over its seeds; a difference between two
+arms is called real only where it exceeds the larger of their seed-to-seed ranges, and is
+shown seed by seed as well (a seed's arms share its warm-up). Writes <out>/mode_ranking.json and
 <out>/mode_ranking.png (one plot: train score and validation, every arm and seed) and prints
 the tables (markdown).
 
@@ -43,7 +44,7 @@ ARMS = {
         [f"{RC}.bypass_mode=true", f"{RC}.rollout_is=null"],
     ),
 }
-# (a, b, the question): a's late validation against b's
+# (a, b, the question): a's late validation accuracy against b's
 COMPARISONS = (
     ("colocate_async-TIS", "colocate_async-noTIS", "TIS in colocate_async"),
     ("separate_async-decoupled", "separate_async-bypass", "decoupled PPO against bypass"),
@@ -104,16 +105,38 @@ def launch_missing(out: Path, arms: list[str], seeds: list[int], steps: int, max
 
 
 def reduce_one(rows: list[dict]) -> dict:
-    """One run: async_modes' figures plus its curves, entropy and late validation reward."""
+    """One run: async_modes' figures plus its curves, entropy, and its late validation: the
+    accuracy (0/1 an answer: one flipped answer of 256 moves it by 0.004; the reward, +-1 and
+    the overlong penalty, moves by 0.008) and the reward."""
     r = reduce_run(rows)
     train = [x for x in rows if x["step"] >= 1 and SCORE in x]
     r["score_curve"] = [(x["step"], x[SCORE]) for x in train]
     r["entropy_mean"] = _mean([x[ENTROPY] for x in train if ENTROPY in x])
-    vals = [v for _, _, v in r["val_curve"]]
-    r["val_late"] = _mean(vals[-LATE_VALIDATIONS:]) if len(vals) > LATE_VALIDATIONS else None
-    r["val_start"] = vals[0] if vals else None
+    r["acc_curve"] = [(x["step"], v) for x in rows for k, v in x.items() if _is_acc(k)]
+    for name, curve in (("val", [v for *_, v in r["val_curve"]]),
+                        ("acc", [v for _, v in r["acc_curve"]])):  # fmt: skip
+        late = len(curve) > LATE_VALIDATIONS
+        r[f"{name}_late"] = _mean(curve[-LATE_VALIDATIONS:]) if late else None
+        r[f"{name}_start"] = curve[0] if curve else None
+    r |= falls(r["acc_curve"])
     r["score_last10"] = _mean([s for _, s in r["score_curve"][-10:]])
     return r
+
+
+def _is_acc(key: str) -> bool:
+    return key.startswith("val-core/") and key.endswith("/acc/mean@8")
+
+
+def falls(curve: list[tuple[int, float]]) -> dict:
+    """The late-drop figures of a validation curve: how far its last point sits below its best
+    (drop_from_best), and its largest fall from one validation to the next (largest_fall)."""
+    values = [v for _, v in curve]
+    if len(values) < 2:
+        return {"drop_from_best": None, "largest_fall": None}
+    return {
+        "drop_from_best": max(values) - values[-1],
+        "largest_fall": max(0.0, *(a - b for a, b in zip(values, values[1:], strict=False))),
+    }
 
 
 def _mean(values: list[float]) -> float | None:
@@ -121,32 +144,39 @@ def _mean(values: list[float]) -> float | None:
 
 
 def arm_figures(runs: dict[int, dict]) -> dict:
-    """An arm over its seeds: the mean of each figure and the late validation's range."""
-    keys = ("val_late", "val_start", "score_last10", "entropy_mean", "ppo_kl_mean",
-            "logprob_diff_mean", "lag_mean", "steps_per_min")  # fmt: skip
+    """An arm over its seeds: the mean of each figure, the late accuracy's range, and the
+    per-seed late accuracy (for the paired differences)."""
+    keys = ("acc_late", "acc_start", "val_late", "val_start", "score_last10", "entropy_mean",
+            "ppo_kl_mean", "logprob_diff_mean", "lag_mean", "steps_per_min", "drop_from_best",
+            "largest_fall")  # fmt: skip
     out = {"seeds": sorted(runs)}
     for k in keys:
         values = [r[k] for r in runs.values() if r.get(k) is not None]
         out[k] = _mean(values)
-    late = [r["val_late"] for r in runs.values() if r.get("val_late") is not None]
-    out["val_late_range"] = max(late) - min(late) if len(late) > 1 else None
+    late = {seed: r["acc_late"] for seed, r in runs.items() if r.get("acc_late") is not None}
+    out["acc_late_by_seed"] = late
+    out["acc_late_range"] = max(late.values()) - min(late.values()) if len(late) > 1 else None
     return out
 
 
 def compare(arms: dict[str, dict]) -> list[dict]:
-    """Each COMPARISONS pair present: the difference of late validation, the larger seed
-    range, and whether the difference exceeds it (None without 2 seeds on both sides)."""
+    """Each COMPARISONS pair present: the difference of late validation accuracy, the larger
+    seed range, whether the difference exceeds it (None without 2 seeds on both sides), and
+    the paired differences, seed by seed (both arms of a seed start from the same warm-up, so
+    these leave out the seeds' own spread)."""
     rows = []
     for a, b, question in COMPARISONS:
         if a not in arms or b not in arms:
             continue
         fa, fb = arms[a], arms[b]
-        ranges = (fa["val_late_range"], fb["val_late_range"])
-        diff = None if None in (fa["val_late"], fb["val_late"]) else fa["val_late"] - fb["val_late"]
+        ranges = (fa["acc_late_range"], fb["acc_late_range"])
+        diff = None if None in (fa["acc_late"], fb["acc_late"]) else fa["acc_late"] - fb["acc_late"]
         spread = None if None in ranges else max(ranges)
         real = None if diff is None or spread is None else abs(diff) > spread
+        by_a, by_b = fa["acc_late_by_seed"], fb["acc_late_by_seed"]
+        paired = {s: by_a[s] - by_b[s] for s in sorted(by_a) if s in by_b}
         rows.append({"question": question, "a": a, "b": b, "diff": diff, "spread": spread,
-                     "exceeds_spread": real})  # fmt: skip
+                     "exceeds_spread": real, "paired": paired})  # fmt: skip
     return rows
 
 
@@ -155,24 +185,27 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def tables(arms: dict[str, dict], comparisons: list[dict]) -> str:
-    cols = ("arm", "seeds", "late validation (range)", "first validation", "train score, last 10",
-            "entropy", "ppo_kl", "\\|dlogp\\|", "lag", "steps/min")  # fmt: skip
+    cols = ("arm", "seeds", "late accuracy (range)", "first accuracy", "late reward",
+            "train score, last 10", "entropy", "ppo_kl", "\\|dlogp\\|", "lag", "steps/min",
+            "drop from best", "largest fall")  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for name, f in arms.items():
         lines.append(
-            f"| {name} | {','.join(map(str, f['seeds']))} | {_fmt(f['val_late'])} "
-            f"({_fmt(f['val_late_range'])}) | {_fmt(f['val_start'])} | {_fmt(f['score_last10'])} "
-            f"| {_fmt(f['entropy_mean'])} | {_fmt(f['ppo_kl_mean'], '.1e')} "
-            f"| {_fmt(f['logprob_diff_mean'], '.1e')} | {_fmt(f['lag_mean'], '.2f')} "
-            f"| {_fmt(f['steps_per_min'], '.2f')} |"
+            f"| {name} | {','.join(map(str, f['seeds']))} | {_fmt(f['acc_late'])} "
+            f"({_fmt(f['acc_late_range'])}) | {_fmt(f['acc_start'])} | {_fmt(f['val_late'])} "
+            f"| {_fmt(f['score_last10'])} | {_fmt(f['entropy_mean'])} "
+            f"| {_fmt(f['ppo_kl_mean'], '.1e')} | {_fmt(f['logprob_diff_mean'], '.1e')} "
+            f"| {_fmt(f['lag_mean'], '.2f')} | {_fmt(f['steps_per_min'], '.2f')} "
+            f"| {_fmt(f['drop_from_best'])} | {_fmt(f['largest_fall'])} |"
         )
-    lines += ["", "| question | difference of late validation | larger seed range | verdict |",
-              "| --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["", "| question | difference of late accuracy | seed by seed | larger seed range "
+              "| verdict |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
     verdict = {True: "exceeds the seed spread", False: "within the seed spread",
                None: "needs 2 seeds on both sides"}  # fmt: skip
     for c in comparisons:
+        paired = ", ".join(f"s{s} {_fmt(d, '+.3f')}" for s, d in c["paired"].items()) or "-"
         lines.append(f"| {c['question']} ({c['a']} - {c['b']}) | {_fmt(c['diff'], '+.3f')} "
-                     f"| {_fmt(c['spread'])} | {verdict[c['exceeds_spread']]} |")  # fmt: skip
+                     f"| {paired} | {_fmt(c['spread'])} | {verdict[c['exceeds_spread']]} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -187,14 +220,14 @@ def running_mean(curve: list[tuple[int, float]], n: int | None = None) -> list[t
 
 
 def plot(runs: dict[str, dict[int, dict]], path: Path) -> Path:
-    """Train score (left) and validation reward (right) against the step: a colour an arm,
+    """Train score (left) and validation accuracy (right) against the step: a colour an arm,
     a line style a seed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    score_ax, val_ax = fig.subplots(1, 2, sharey=True)
+    score_ax, val_ax = fig.subplots(1, 2)
     for i, (arm, seeds) in enumerate(runs.items()):
         for j, (seed, r) in enumerate(sorted(seeds.items())):
             style = dict(color=f"C{i}", linestyle=("-", "--", ":")[j % 3], linewidth=1.2)
@@ -203,15 +236,14 @@ def plot(runs: dict[str, dict[int, dict]], path: Path) -> Path:
                 score_ax.plot(
                     *zip(*running_mean(r["score_curve"]), strict=True), label=label, **style
                 )
-            if r["val_curve"]:
-                steps, _, vals = zip(*r["val_curve"], strict=True)
-                val_ax.plot(steps, vals, marker=".", label=label, **style)
+            if r["acc_curve"]:
+                val_ax.plot(*zip(*r["acc_curve"], strict=True), marker=".", label=label, **style)
     score_ax.set(
         title=f"train batch score (kept groups), mean of {SMOOTH} steps",
         xlabel="step",
         ylabel="reward",
     )
-    val_ax.set(title=f"validation reward ({TASK})", xlabel="step")
+    val_ax.set(title=f"validation accuracy ({TASK}, 256 answers)", xlabel="step", ylabel="accuracy")
     for ax in (score_ax, val_ax):
         ax.grid(alpha=0.3)
     val_ax.legend(fontsize=7, loc="lower right", ncols=2)
