@@ -25,8 +25,10 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
+from recipes.local.summary import ACC_KEY
 from scripts.bench.launches.async_modes import reduce_run
 from scripts.bench.launches.replay_modes import read_rows
 
@@ -112,7 +114,7 @@ def reduce_one(rows: list[dict]) -> dict:
     train = [x for x in rows if x["step"] >= 1 and SCORE in x]
     r["score_curve"] = [(x["step"], x[SCORE]) for x in train]
     r["entropy_mean"] = _mean([x[ENTROPY] for x in train if ENTROPY in x])
-    r["acc_curve"] = [(x["step"], v) for x in rows for k, v in x.items() if _is_acc(k)]
+    r["acc_curve"] = [(x["step"], x[ACC_KEY]) for x in rows if ACC_KEY in x]
     for name, curve in (("val", [v for *_, v in r["val_curve"]]),
                         ("acc", [v for _, v in r["acc_curve"]])):  # fmt: skip
         late = len(curve) > LATE_VALIDATIONS
@@ -123,10 +125,6 @@ def reduce_one(rows: list[dict]) -> dict:
     return r
 
 
-def _is_acc(key: str) -> bool:
-    return key.startswith("val-core/") and key.endswith("/acc/mean@8")
-
-
 def falls(curve: list[tuple[int, float]]) -> dict:
     """The late-drop figures of a validation curve: how far its last point sits below its best
     (drop_from_best), and its largest fall from one validation to the next (largest_fall)."""
@@ -135,7 +133,7 @@ def falls(curve: list[tuple[int, float]]) -> dict:
         return {"drop_from_best": None, "largest_fall": None}
     return {
         "drop_from_best": max(values) - values[-1],
-        "largest_fall": max(0.0, *(a - b for a, b in zip(values, values[1:], strict=False))),
+        "largest_fall": max(0.0, *(a - b for a, b in pairwise(values))),
     }
 
 
