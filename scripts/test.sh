@@ -8,7 +8,7 @@
 # Lint first (ruff, the dev extra's, pinned in scripts/stacks/cpu.in): a failure stops here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --test-overlays
 echo "== lint: ruff check, ruff format --check"
 if ! { .venv/bin/ruff check . && .venv/bin/ruff format --check .; }; then
     echo "test.sh: lint failed: run .venv/bin/ruff check --fix . && .venv/bin/ruff format ." >&2

@@ -1,11 +1,14 @@
-"""The CPU job's allocator settings (recipes.dapo.cluster.ray_job.CPU_ENV, and beyond world 4
-recipes.local.cpu_overrides.MANY_RANKS_ENV), in processes that allocate the way the run's do. Each test runs the pattern under CPU_ENV and, as its control,
-without the one setting, so that it fails if the setting stops acting.
+"""The CPU job's environment settings in processes that act the way the run's do: the allocator
+settings (recipes.dapo.cluster.ray_job.CPU_ENV, and beyond world 4
+recipes.local.cpu_overrides.MANY_RANKS_ENV), each test under CPU_ENV and, as its control,
+without the one setting, so that it fails if the setting stops acting; and the rollout's
+(recipes.local.cpu.platform.ROLLOUT_ENV).
 
 Found on a 20-step run at world 8 (8 actor ranks, two vLLM engines of TP 4, 24 GiB): without
 them the processes grew every step and Ray's memory monitor killed the rollout at step 18.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +81,31 @@ def test_one_batch_size_after_another_keeps_onednn_bounded():
     control = _run(BATCH_SIZES_BF16, drop="ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert held < 60, f"{held} mappings added over 300 batch sizes under CPU_ENV"
     assert control > 300, f"the control added only {control} mappings: oneDNN caches no longer"
+
+
+# vLLM's one inductor-compiled helper under enforce_eager (the sampled token's log-prob rank),
+# called as its sampler calls it; prints the counts and the frames dynamo compiled
+COMPILED_HELPER = """
+import torch
+from torch._dynamo.utils import counters
+from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+x, v = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.2, 0.1]]), torch.tensor([[0.5], [0.2]])
+print(batched_count_greater_than(x, v).tolist(), counters["frames"]["total"])
+"""
+
+
+@pytest.mark.vllm
+def test_the_rollout_runs_vllms_compiled_helper_eagerly():
+    """Bug caught: a C++ compile of vLLM's log-prob rank helper (~9 s, the rollout waiting on
+    it) in every run's first validation. The environment comes from the CPU platform's
+    `rollout_env_vars`, verl's hook for its rollout servers; the helper then counts eagerly."""
+    platform = "import json; from recipes.local.cpu.platform import PlatformCPU; "
+    platform += "print(json.dumps(PlatformCPU().rollout_env_vars()))"
+    env = json.loads(_python(platform, os.environ).splitlines()[-1])
+    assert env == {"TORCHDYNAMO_DISABLE": "1"}
+    assert _python(COMPILED_HELPER, {**os.environ, **env}).splitlines()[-1] == "[2, 2] 0"
+
+
+def _python(code: str, env) -> str:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=True).stdout  # fmt: skip

@@ -24,6 +24,8 @@ def test_sft_config_is_verls_with_our_engine_section(tmp_path):
     assert (engine.strategy, engine.expert_model_parallel_size) == ("mcore_ep", 2)
     # the RL run's modules, not the megatron-core reference "auto" picks on CPU (1.8x slower)
     assert (engine.experts, engine.attention, engine.packed) == ("grouped", "sdpa", True)
+    # no heap trim at verl's per-step offload: the next step faulted it back in, +20% a step
+    assert engine.cpu_trim_heap == "off"
     assert (
         cfg.model.external_lib == "recipes.dapo.engine.verl_engine"
     )  # registers mcore_ep in the ranks

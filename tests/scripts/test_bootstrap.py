@@ -186,9 +186,9 @@ def _fake_cpu_python(tmp_path, fail_on: str = "") -> tuple[Path, Path]:
     return repo, calls
 
 
-def _bootstrap_cpu(repo: Path, fake_bin: Path):
+def _bootstrap_cpu(repo: Path, fake_bin: Path, *args: str):
     return subprocess.run(
-        ["bash", "scripts/bootstrap.sh"], cwd=repo, capture_output=True, text=True, timeout=120,
+        ["bash", "scripts/bootstrap.sh", *args], cwd=repo, capture_output=True, text=True, timeout=120,
         env={"PATH": f"{fake_bin}:/usr/bin:/bin", "HOME": str(repo.parent)},
     )  # fmt: skip
 
@@ -206,7 +206,7 @@ def test_cpu_console_gets_a_line_a_stage_and_pip_goes_to_the_log(tmp_path):
     assert stages == [
         "bootstrap: pip 26.3", "bootstrap: torch 2.13.0",
         "bootstrap: the set (cpu.in, cpu.lock) and this project", "bootstrap: vLLM's CPU build",
-        "bootstrap: megatron-core 0.12.1 and 0.19.2 (the tests' overlays)", "bootstrap: bytecode",
+        "bootstrap: bytecode",
     ]  # fmt: skip
     assert all(line.endswith(" s)") for line in lines[1:-1])
     assert lines[-1].startswith("bootstrap: done in ") and "torch 2.13.0" in lines[-1]
@@ -214,12 +214,38 @@ def test_cpu_console_gets_a_line_a_stage_and_pip_goes_to_the_log(tmp_path):
     assert "pip chatter: -m pip install" in (repo / ".cache" / "bootstrap.log").read_text()
     recorded = calls.read_text().splitlines()
     installs = [c for c in recorded if c.startswith("-m pip install")]
-    assert len(installs) == 7 and all("--no-compile" in c for c in installs)
-    assert any(c.startswith("-m compileall -q -q -j 0 .venv/lib .venv/overlays") for c in recorded)
+    assert len(installs) == 5 and all("--no-compile" in c for c in installs)
+    assert "-m compileall -q -q -j 0 .venv/lib" in recorded
+    assert not any("overlays" in c for c in recorded)  # the tests' releases: --test-overlays
     assert (repo / ".venv" / ".bootstrap-stamp").is_file()
     # the stamp makes a second run return at once, silently
     again = _bootstrap_cpu(repo, tmp_path / "bin")
     assert again.returncode == 0 and again.stdout == ""
+
+
+def test_cpu_test_overlays_come_only_with_their_flag_once(tmp_path):
+    """Bug caught: every newcomer's first run paying for the test suite's two megatron-core
+    releases (9 s and 0.7 GB of a fresh bootstrap); or the suite running without them."""
+    repo, calls = _fake_cpu_python(tmp_path)
+    assert _bootstrap_cpu(repo, tmp_path / "bin").returncode == 0
+    calls.write_text("")
+    run = _bootstrap_cpu(repo, tmp_path / "bin", "--test-overlays")
+    assert run.returncode == 0, run.stderr
+    lines = [line.rsplit(" (", 1)[0] for line in run.stdout.splitlines()]
+    assert lines == [
+        "bootstrap: the tests' overlays into .venv/overlays", "bootstrap: megatron-core 0.12.1 and 0.19.2",
+        "bootstrap: their bytecode",
+    ]  # fmt: skip
+    recorded = calls.read_text().splitlines()
+    targets = [c.split("--target ")[1].split()[0] for c in recorded if "--target" in c]
+    assert targets == [".venv/overlays/megatron-core-0.12.1", ".venv/overlays/megatron-core-0.19.2"]
+    assert recorded[-1] == "-m compileall -q -q -j 0 .venv/overlays"
+    again = _bootstrap_cpu(repo, tmp_path / "bin", "--test-overlays")
+    assert again.returncode == 0 and again.stdout == ""
+    refused = _bootstrap("--target", "cuda", "--test-overlays")
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "bootstrap: --test-overlays is for --target cpu (the test suite's megatron-core releases)"
+    )
 
 
 def test_cpu_a_failing_stage_names_itself_shows_the_logs_end_and_leaves_no_stamp(tmp_path):
