@@ -15,7 +15,10 @@ process, whichever engine owns the optimizer). At each point it appends one JSON
 A process with several optimizers (megatron-core chains one for the dense parameters and one
 for the experts) gets a point per optimizer's step, each counting what all of them hold.
 
-Each line has RSS split by /proc/self/smaps_rollup (anonymous, file-backed), glibc's heap and
+Each line has RSS split by /proc/self/status (anonymous, file-backed: the kernel's counters, a
+read of microseconds; smaps_rollup walks every mapping, 10-100 ms a read, which fell on every
+optimizer step and cost the engine with two optimizers 11% of its update against 2-4% for one
+with a single optimizer, docs/ab_profile.md), glibc's heap and
 the free memory it retains (mallinfo2) and, at the step points, the bytes of what the
 optimizers hold: parameters, gradients (`.grad`, or megatron's `.main_grad` buffer) and
 optimizer states, each storage counted once (views into one flat buffer share it). Installed
@@ -35,14 +38,15 @@ MEMORY_PROBE_ENV = "MCORE_MEMORY_PROBE_DIR"
 MIB = 1 << 20
 
 
-def read_smaps_rollup(pid: int | str = "self") -> dict[str, float]:
-    """kB fields of /proc/<pid>/smaps_rollup as MiB: rss, anon, file (rss - anon - shmem)."""
+def read_rss(pid: int | str = "self") -> dict[str, float]:
+    """/proc/<pid>/status's resident set in MiB: rss, anon (RssAnon), file (RssFile)."""
     kb = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, rest = line.partition(":")
-        kb[key] = int(rest.split()[0])
-    rss, anon, shmem = kb["Rss"], kb["Anonymous"], kb.get("Shmem", 0)
-    return {"rss_mib": rss / 1024, "anon_mib": anon / 1024, "file_mib": (rss - anon - shmem) / 1024}
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            kb[key] = int(rest.split()[0])
+    return {"rss_mib": kb["VmRSS"] / 1024, "anon_mib": kb["RssAnon"] / 1024,
+            "file_mib": kb["RssFile"] / 1024}  # fmt: skip
 
 
 def malloc_heap_mib() -> dict[str, float]:
@@ -153,7 +157,7 @@ class MemoryProbe:
 
     @staticmethod
     def row(point: str, **fields) -> dict:
-        row = {"point": point, "t": time.time(), **read_smaps_rollup(), **malloc_heap_mib()}
+        row = {"point": point, "t": time.time(), **read_rss(), **malloc_heap_mib()}
         return {**row, "hwm_mib": peak_rss_mib(reset=True), **fields}
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from backend.instruments.memory_probe import malloc_heap_mib, read_smaps_rollup
+from backend.instruments.memory_probe import malloc_heap_mib, read_rss
 from backend.platform.host_heap import trim_host_heap
 
 
@@ -15,8 +15,8 @@ def test_freed_tensors_kept_in_the_heap_leave_the_rss_after_a_trim():
     free_before = malloc_heap_mib()["heap_free_mib"]
     del blocks[::2]  # ~90 MiB of holes between the live half
     retained = malloc_heap_mib()["heap_free_mib"] - free_before  # these holes, resident
-    before = read_smaps_rollup()["rss_mib"]
+    before = read_rss()["rss_mib"]
     assert retained > 50
     assert trim_host_heap() is True
-    assert before - read_smaps_rollup()["rss_mib"] > 0.5 * retained
+    assert before - read_rss()["rss_mib"] > 0.5 * retained
     assert sum(b.sum().item() for b in blocks[:10]) == 80_000  # the live ones are untouched
