@@ -7,7 +7,6 @@ resume) is the cluster's.
 """
 
 import os
-from pathlib import Path
 
 # vLLM's CPU backend: what it cannot do that the cluster's vLLM does (docs/cpu_run.md)
 KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means host RAM
@@ -16,10 +15,6 @@ KV_CACHE_BYTES = 32 << 20  # the KV cache in bytes: a memory fraction here means
 # server and an engine core (~0.9 + 0.5 GB), and each further TP rank a worker (~0.5 GB), so
 # eight TP-1 engines beside eight actor ranks and Ray (~3 GB) pass 24 GiB; two of TP 4 fit.
 ENGINE_PER_RANK_UP_TO = 4
-
-
-# verl's router plugin file (rollout.router_config_path): recipes/local/cpu/router.py
-ROUTER_YAML = Path(__file__).parent / "cpu" / "router.yaml"
 
 
 # the engine's modules on CPU: ours, as on the cluster (grouped-GEMM experts, SDPA attention on
@@ -142,8 +137,6 @@ def cpu_overrides(run) -> dict[str, dict]:
             f"{r}.agent.num_workers": 1,
             f"{r}.val_kwargs.n": task["val_n"],
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
-            # verl's routing in a process that imports no verl (recipes/local/cpu/router.py)
-            f"{r}.router_config_path": str(ROUTER_YAML),
         },
         "reward": {
             "reward.num_workers": 1,
