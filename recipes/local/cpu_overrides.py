@@ -135,11 +135,14 @@ def cpu_overrides(run) -> dict[str, dict]:
             # one agent-loop worker and one TransferQueue storage unit: each is a process that
             # imports verl (10-15 s of a core); a second bought no generation speed on 2 cores
             f"{r}.agent.num_workers": 1,
+            # the rule-based reward scored in that worker, not in a reward actor of its own
+            # (recipes.dapo.engine.in_process_reward; reward.num_workers=0 below)
+            f"+{r}.agent.agent_loop_manager_class": IN_PROCESS_REWARD,
             f"{r}.val_kwargs.n": task["val_n"],
             f"{r}.checkpoint_engine.update_weights_bucket_megabytes": 16,
         },
         "reward": {
-            "reward.num_workers": 1,
+            "reward.num_workers": 0,  # no reward actor: the agent loop scores (above)
             "+reward.reward_kwargs.max_resp_len": task["max_response_length"],
             "+reward.reward_kwargs.overlong_buffer_cfg.len": task["overlong_buffer"],
             **(_task_score(run) if task["score"] == "task" else {}),
@@ -196,6 +199,7 @@ def _saves(world: int) -> dict:
 # of vLLM's work (recipes.dapo.engine.replay_polling, the figures in docs/timing.md)
 POLL_S = 0.2
 POLLING_SAMPLER = ("pkg://recipes.dapo.engine.replay_polling", "PollingReplayBuffer")
+IN_PROCESS_REWARD = "recipes.dapo.engine.in_process_reward.InProcessRewardManager"
 
 
 def _polling(run) -> dict:

@@ -88,3 +88,16 @@ def _logits_diff(actor: Path | None, export: Path) -> float:
         destroy_parallel()
     reloaded = Qwen3MoeForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     return (mcore_BSV - reloaded(probe_BS).logits).abs().max().item()
+
+
+def preload() -> None:
+    """What check_export imports (~5 s of a core), ahead of it (recipes.local.export_ahead)."""
+    from transformers import Qwen3MoeForCausalLM  # noqa: F401
+    from transformers.utils.logging import disable_progress_bar
+
+    import backend.model.build  # noqa: F401
+    import backend.training.distributed  # noqa: F401
+    import converters.cli  # noqa: F401
+    import recipes.dapo.engine.weights  # noqa: F401
+
+    disable_progress_bar()  # the export's output goes to the run's log

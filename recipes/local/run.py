@@ -8,8 +8,9 @@
    (recipes.local.cpu_overrides): Ray, the V1 trainer, our mcore_ep engine, the CPU rollout,
    verl's weight sync, checkpoints under <out>/checkpoints (resume_mode=auto);
 3. finish: export the last checkpoint to HF (converters) against the model it trained
-   (`trained_model`), check that transformers reloads it with the same logits as megatron-core, render the routing report, plot the reward curve,
-   write summary.json.
+   (`trained_model`), check that transformers reloads it with the same logits as megatron-core
+   (made while verl's processes end: recipes.local.export_ahead), render the routing report,
+   plot the reward curve, write summary.json (its wall time: the launch to the summary).
 """
 
 import json
@@ -23,6 +24,7 @@ from recipes.local.summary import STEP_TIME_KEYS, print_summary, write_summary
 
 METRICS = "metrics"  # verl's file logger, one jsonl per launch
 MODEL_KEY = "actor_rollout_ref.model.path"
+EARLY_EXPORT = "export: made while verl's processes ended"  # the run's log says which finish ran
 
 
 def prepare(out: Path, seed: int = 0, model: str = "tiny", warmup_steps: int | None = None,
@@ -94,15 +96,17 @@ def job_env(out: Path, fresh: bool = False, world: int = 1) -> dict[str, str]:
     }
 
 
-def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float = 0.9,
+def finish(out: Path, model: Path, started: float, verl_s: float, target: float = 0.9,
            console=None, world: int = 1, parts: dict | None = None,
-           engine: str = "mcore_ep") -> int:  # fmt: skip
+           engine: str = "mcore_ep", ahead=None) -> int:  # fmt: skip
     """Export against `model` (the trained one: its config and tokenizer), reload check,
     routing report, reward curve, summary (after verl returns); with
     a console (recipes.dapo.console.screen) what that work prints goes to the run's log, and the
-    summary is the last thing on screen."""
+    summary is the last thing on screen. started: the launch (time.perf_counter's clock): the
+    summary's wall time runs from it to the summary; ahead: a recipes.local.export_ahead.
+    ExportAhead whose export the finish takes when it is of the checkpoint it would export."""
     with console.capture() if console else nullcontext():
-        summary = _finish_files(out, model, wall_s, verl_s, target, world, parts, engine)
+        summary = _finish_files(out, model, started, verl_s, target, world, parts, engine, ahead)
     if console:
         console.close()
     print_summary(summary)
@@ -110,8 +114,9 @@ def finish(out: Path, model: Path, wall_s: float, verl_s: float, target: float =
     return 0 if diff is not None and diff < 1e-4 else 1
 
 
-def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: float,
-                  world: int, parts: dict | None = None, engine: str = "mcore_ep") -> dict:  # fmt: skip
+def _finish_files(out: Path, model: Path, started: float, verl_s: float, target: float,
+                  world: int, parts: dict | None = None, engine: str = "mcore_ep",
+                  ahead=None) -> dict:  # fmt: skip
     from recipes.dapo.console.health_report import (
         latest_actor_checkpoint,
         latest_fsdp_checkpoint,
@@ -126,12 +131,20 @@ def _finish_files(out: Path, model: Path, wall_s: float, verl_s: float, target: 
     paths: dict = {"model": model, "tensorboard": out / "tensorboard", "checkpoint": actor}
     diff = None
     if actor is not None and ours:
-        export_dir, diff = check_export(actor, model, out / "export_hf")
-        paths["export"] = export_dir
+        if ahead is not None:
+            ahead.last_look()  # its export runs beside the routing report
         paths.update(routing_report(actor / "moe_report.json", out))
+        early = ahead.take(actor) if ahead is not None else None
+        if early is not None:  # exported while verl shut down; its output to the log now
+            print(f"{EARLY_EXPORT} ({early.actor})\n{early.output}", file=sys.stderr)
+            export_dir, diff = early.export, early.diff
+        else:
+            export_dir, diff = check_export(actor, model, out / "export_hf")
+        paths["export"] = export_dir
     elif actor is not None:  # verl's FSDP engine: no routing monitor of ours in it
         paths["export"], diff = check_fsdp_export(actor, out / "export_hf")
     stepping = sum(row.get(k, 0.0) for row in history for k in STEP_TIME_KEYS)
+    wall_s = time.perf_counter() - started  # to the summary, the finish's work included
     return write_summary(out, history, target, paths, wall_s, startup_s=verl_s - stepping,
                          world=world, export_max_logits_diff=diff,
                          startup_parts_s=parts or {})  # fmt: skip
@@ -205,6 +218,7 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
     console = open_console(out, index, verbose, resolved.run.steps, env["TENSORBOARD_DIR"],
                            AlarmRules(**TOY_ALARMS), debug=debug, device="cpu",
                            started=t0)  # fmt: skip
+    ahead = _export_ahead(resolved, out)
     try:
         console.header(resolved.describe())
         with RunScope(out / "logs") as scope:  # its processes and leftovers end with it
@@ -223,14 +237,30 @@ def run(resolved, out: Path, t0: float, verbose: bool = False, debug: bool = Fal
                 or failure_line(watch, ckpt_dir, resume=resume)
             )
             print(lost or console.failure_line(code), file=sys.stderr)
-            return code
+            return code  # (the export ahead, if any, is cancelled below)
         from recipes.dapo.console.filters import FIRST_VALIDATION
 
         validation_at = console.startup.began.get(FIRST_VALIDATION)
         parts = startup_parts(out, prepared_s,
                               None if validation_at is None else validation_at - t0)  # fmt: skip
-        return finish(out, trained_model(resolved.groups), time.perf_counter() - t0, verl_s,
-                      console=console, world=resolved.run.plan.world, parts=parts,
-                      engine=resolved.run.engine)  # fmt: skip
+        return finish(out, trained_model(resolved.groups), t0, verl_s, console=console,
+                      world=resolved.run.plan.world, parts=parts, engine=resolved.run.engine,
+                      ahead=ahead)  # fmt: skip
     finally:
+        if ahead is not None:
+            ahead.cancel()  # nothing left to end once the finish took it
         console.close()
+
+
+def _export_ahead(resolved, out: Path):
+    """ExportAhead of the run's final checkpoint (ours; verl's FSDP checkpoints are copied)."""
+    from recipes.dapo import BACKEND
+    from recipes.local.cpu_overrides import ENGINE_PER_RANK_UP_TO
+    from recipes.local.export_ahead import ExportAhead
+
+    if resolved.run.engine != BACKEND or not resolved.run.steps:
+        return None
+    metrics = Path(resolved.run.env["VERL_FILE_LOGGER_PATH"])
+    return ExportAhead(out / "checkpoints", metrics, resolved.run.steps,
+                       trained_model(resolved.groups), out / "export_hf",
+                       preload=resolved.run.plan.world <= ENGINE_PER_RANK_UP_TO).start()  # fmt: skip

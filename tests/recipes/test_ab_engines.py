@@ -84,6 +84,11 @@ def test_both_launches_get_the_overrides_and_ours_runs_at_fsdps_thread_count(tmp
         after = cmd[cmd.index("--") + 1 :]
         assert cmd[cmd.index("--ep") + 1] == "2" and after[-1] == "trainer.save_freq=1"
         assert (ab_engines.SAME_THREADS in after) == (engine == "mcore_ep")
+    plan = "--tp 4 --ep 8"  # the world-8 rows: ours at the mission's plan, FSDP over 8 ranks
+    ours = ab_engines.launch_command("mcore_ep", "mini", 8, 4, tmp_path, plan=plan)
+    fsdp = ab_engines.launch_command("fsdp", "mini", 8, 4, tmp_path, plan=plan)
+    assert ours[ours.index("--tp") : ours.index("--")] == ["--tp", "4", "--ep", "8"]
+    assert "--tp" not in fsdp and fsdp[fsdp.index("--ep") + 1] == "8"
     cluster = ab_engines.launch_command(
         "fsdp", "mini", 8, 5, tmp_path, cluster="--device cuda", extra=extra
     )

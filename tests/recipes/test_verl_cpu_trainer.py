@@ -183,6 +183,10 @@ def test_checkpoints_in_verls_layout_and_the_export_reloads(mini_run):
     assert (out / "export_hf" / "config.json").is_file()
     assert (out / "reward_curve.png").is_file()
     assert "export reloads in transformers" in proc.stdout
+    from recipes.local.run import EARLY_EXPORT
+
+    # the export ran while verl's processes ended (recipes.local.export_ahead), not after
+    assert EARLY_EXPORT in (out / "logs" / "launch_000.log").read_text()
 
 
 def resumable_copy(src: Path, out: Path) -> Path:

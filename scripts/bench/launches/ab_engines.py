@@ -19,6 +19,8 @@ tokens/s at <= 1.0x its peak memory, on mini at world 2.
     python -m scripts.bench.launches.ab_engines --models tiny --worlds 1 --steps 3
     python -m scripts.bench.launches.ab_engines --table-only --out DIR       # reduce earlier runs again
     python -m scripts.bench.launches.ab_engines --engines fsdp ... -- trainer.save_freq=1  # overrides
+    python -m scripts.bench.launches.ab_engines --models mini --worlds 8 --plan "--tp 4 --ep 8"
+        # the mission's plan: ours at tp4 x ep8, FSDP over the same 8 ranks
 
 On a cluster: `--cluster "ARGS"` gives both launches the main job's arguments (--device,
 --model DIR, data files, --nodes ...; each engine's --ckpt-dir a directory under --out; `--plan "--tp 4 --ep 8"` for
@@ -114,11 +116,11 @@ def launch_command(engine: str, model: str, world: int, steps: int, run_dir: Pat
     """The main job's command line for one engine; `extra` (verl overrides) goes to both."""
     cmd = ["bash", str(REPO / "scripts/train_mcore.sh"), "--engine", engine,
            "--ckpt-dir", str(run_dir)]  # fmt: skip
-    if cluster is None:
-        threads = [SAME_THREADS] if engine == "mcore_ep" else []
-        world_args = ["--ep", str(world)] if world > 1 else []
-        return [*cmd, "--model", model, "--steps", str(steps), *world_args, "--", *threads, *extra]
     ours = shlex.split(plan) if engine == "mcore_ep" else []  # FSDP splits no layer
+    if cluster is None:  # FSDP over `world` ranks; ours too, or at `plan` (its world `world`)
+        threads = [SAME_THREADS] if engine == "mcore_ep" else []
+        world_args = ours or (["--ep", str(world)] if world > 1 else [])
+        return [*cmd, "--model", model, "--steps", str(steps), *world_args, "--", *threads, *extra]
     return [
         *cmd,
         *shlex.split(cluster),
