@@ -12,7 +12,8 @@ converters export to the HF folder RL starts from.
     python -m torch.distributed.run --standalone --nproc-per-node W -m recipes.local.warmup \
         --model DIR --data sft.parquet --out DIR [--steps N] [--tp T --ep E]
 
-(the local run's warm_up starts it as one rank without torchrun's agent).
+(the local run's warm_up starts its ranks itself, without torchrun's agent: two data-parallel
+ranks of one thread where there are two cores, `warmup_ranks`).
 """
 
 import argparse
@@ -96,7 +97,7 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
     """<out>/sft_hf: `base` after `steps` SFT steps on `sft_data`, made once (converters write
     it whole or not at all: a killed warm-up is never taken for a model), or the identical one
     from the cache (recipes.local.warmup_cache), which keeps each one made. verl's SFT trainer
-    runs on one rank of our engine; its whole output goes to
+    runs on `warmup_ranks()` ranks of our engine; their whole output goes to
     <out>/warmup/log.txt and `say` gets a progress line every PROGRESS_EVERY_S seconds."""
     from recipes.local import warmup_cache
 
@@ -105,7 +106,8 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
         return final
     root = warmup_cache.cache_root(out)
     ready = base.is_dir() and sft_data.is_file()  # else the trainer says what is missing
-    key = warmup_cache.warmup_key(base, sft_data, steps, WARMUP) if ready else None
+    ranks = warmup_ranks()
+    key = warmup_cache.warmup_key(base, sft_data, steps, warmup_settings()) if ready else None
     cached = warmup_cache.lookup(root, key, say) if key else None
     if cached is not None:
         say(f"warm-up: reused {cached} (the same model, corpus, steps and code; "
@@ -118,17 +120,13 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
     cmd = [sys.executable, "-m", "recipes.local.warmup", "--model", str(base), "--data",
            str(sft_data), "--out", str(work / "checkpoints"), "--steps", str(steps)]  # fmt: skip
     t0 = time.perf_counter()
-    say(f"warm-up: {steps} SFT steps (verl's SFT trainer on the mcore_ep engine), log {log}")
+    say(f"warm-up: {steps} SFT steps (verl's SFT trainer on the mcore_ep engine, {ranks} "
+        f"rank{'s' if ranks > 1 else ''}), log {log}")  # fmt: skip
     with open(log, "w") as sink:
-        child = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env(metrics))
-        next_line_s = PROGRESS_EVERY_S
-        while child.poll() is None:
-            time.sleep(0.5)
-            if time.perf_counter() - t0 >= next_line_s:
-                say(_progress(metrics, steps, time.perf_counter() - t0))
-                next_line_s += PROGRESS_EVERY_S
-    if child.returncode != 0:
-        raise WarmupError(f"the SFT warm-up failed (exit {child.returncode}): see {log}")
+        code = _run_ranks(cmd, ranks, metrics, sink, lambda: say(
+            _progress(metrics, steps, time.perf_counter() - t0)))  # fmt: skip
+    if code != 0:
+        raise WarmupError(f"the SFT warm-up failed (exit {code}): see {log}")
     from recipes.local.export import export_hf
 
     # converters write the folder whole or not at all: a killed export is never a model
@@ -142,14 +140,52 @@ def warm_up(out: Path, base: Path, sft_data: Path, steps: int = WARMUP["steps"],
     return final
 
 
-def _env(metrics: Path) -> dict[str, str]:
-    """One rank of its own world (torchrun's variables, without its agent process)."""
+def warmup_ranks() -> int:
+    """The warm-up's data-parallel ranks: 2 where there are 2 cores or more. One rank with 2
+    threads keeps 1.28 of 2 cores busy (verl's SFT loop and the step's small ops run on
+    one); two ranks of 1 thread each: 0.494 -> 0.328 s a step, loss equal to 6 digits."""
+    return min(2, os.cpu_count() or 1)
+
+
+def warmup_settings() -> dict:
+    """What the warm-up's result depends on besides its inputs: WARMUP and the ranks (data
+    parallel: the order of the gradient's sum)."""
+    return {**WARMUP, "ranks": warmup_ranks()}
+
+
+def _run_ranks(cmd: list[str], ranks: int, metrics: Path, sink, progress) -> int:
+    """`cmd` on `ranks` ranks (torchrun's variables, without its agent process), their output
+    to `sink`, `progress()` every PROGRESS_EVERY_S; returns the exit code of the rank that
+    failed first (the others are ended then: they would wait on its collectives) or 0."""
+    port, t0, next_line_s = _free_port(), time.perf_counter(), PROGRESS_EVERY_S
+    children = [subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                 env=_env(metrics, rank, ranks, port))
+                for rank in range(ranks)]  # fmt: skip
+    while (codes := [c.poll() for c in children]).count(None):
+        if failed := next((c for c in codes if c), 0):  # end the others: they would wait
+            for child in children:
+                if child.poll() is None:
+                    child.terminate()
+            for child in children:
+                child.wait()
+            return failed
+        time.sleep(0.5)
+        if time.perf_counter() - t0 >= next_line_s:
+            progress()
+            next_line_s += PROGRESS_EVERY_S
+    return next((c for c in codes if c), 0)
+
+
+def _env(metrics: Path, rank: int = 0, ranks: int = 1, port: int = 0) -> dict[str, str]:
+    """Rank `rank` of `ranks` (torchrun's variables, without its agent process), the cores
+    shared out between them."""
     from recipes.dapo.cluster.ray_job import CPU_ENV
 
     env = {**os.environ, **CPU_ENV, "VERL_FILE_LOGGER_PATH": str(metrics)}
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
-    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # one rank: the cores are its own
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+               LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port or _free_port()))  # fmt: skip
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
     env["PYTHONWARNINGS"] = "ignore"
     return env
 

@@ -82,6 +82,9 @@ def test_the_warm_up_key_follows_everything_that_decides_it(tmp_path):
     base, corpus = _inputs(tmp_path)
     key = warmup_key(base, corpus, 200, WARMUP)
     assert key == warmup_key(base, corpus, 200, dict(WARMUP)) and len(key) == 16
+    # two data-parallel ranks sum the gradient in another order than one: another warm-up
+    assert warmup_key(base, corpus, 200, {**WARMUP, "ranks": 1}) != warmup_key(
+        base, corpus, 200, {**WARMUP, "ranks": 2})  # fmt: skip
     assert key != warmup_key(base, corpus, 201, WARMUP)
     assert key != warmup_key(base, corpus, 200, {**WARMUP, "lr": 1e-3})
     corpus.write_bytes(b"another corpus")
@@ -95,7 +98,7 @@ def test_a_new_run_directory_reuses_an_identical_warm_up(tmp_path):
     """The issue-56 rerun: a second run directory with the same model, corpus and steps gets
     the cached warm-up copied in (its bytes checked against the manifest), says so in one
     line, and starts no trainer (its work directory is never made)."""
-    from recipes.local.warmup import WARMUP
+    from recipes.local.warmup import warmup_settings
     from recipes.local.warmup_cache import cache_root, keep, warmup_key
 
     base, corpus = _inputs(tmp_path)
@@ -107,7 +110,7 @@ def test_a_new_run_directory_reuses_an_identical_warm_up(tmp_path):
     out.mkdir(parents=True)
     root = cache_root(out)
     assert root == tmp_path / "runs" / ".warmup_cache"
-    keep(root, warmup_key(base, corpus, 200, WARMUP), made)
+    keep(root, warmup_key(base, corpus, 200, warmup_settings()), made)
     lines: list[str] = []
     final = warm_up(out, base, corpus, steps=200, say=lines.append)
     assert final == out / "sft_hf" and (final / "model.safetensors").read_bytes() == b"trained"
@@ -119,7 +122,7 @@ def test_a_damaged_cache_entry_is_made_again_never_trained_from(tmp_path):
     """Catches a flipped byte in the cache reaching RL: the entry fails its manifest, is
     removed with one line, and the warm-up runs again (here it fails: no real corpus, so the
     trainer's own error shows that it ran)."""
-    from recipes.local.warmup import WARMUP
+    from recipes.local.warmup import warmup_settings
     from recipes.local.warmup_cache import cache_root, keep, lookup, warmup_key
 
     base, corpus = _inputs(tmp_path)
@@ -128,10 +131,37 @@ def test_a_damaged_cache_entry_is_made_again_never_trained_from(tmp_path):
     (made / "model.safetensors").write_bytes(b"trained")
     out = tmp_path / "runs" / "r"
     out.mkdir(parents=True)
-    key = warmup_key(base, corpus, 200, WARMUP)
+    key = warmup_key(base, corpus, 200, warmup_settings())
     entry = keep(cache_root(out), key, made)
     (entry / "model.safetensors").write_bytes(b"trainee")  # same size, other bytes
     lines: list[str] = []
     assert lookup(cache_root(out), key, lines.append) is None and not entry.exists()
     assert len(lines) == 1 and "does not match its manifest" in lines[0]
     assert lines[0].endswith("making it again")
+
+
+def test_the_ranks_share_the_cores_and_a_failed_rank_ends_the_others(tmp_path):
+    """The warm-up's two data-parallel ranks: one world (distinct ranks, one port), the cores
+    shared out; a rank that fails ends the one waiting on it (in a collective it would wait
+    forever) and its exit code is the warm-up's. Bug caught: a hung warm-up after a crash."""
+    import json
+    import os
+    import sys
+    import time
+
+    from recipes.local.warmup import _run_ranks
+
+    record = ("import json, os; keys = ('RANK', 'WORLD_SIZE', 'MASTER_PORT', 'OMP_NUM_THREADS');"
+              f"open({str(tmp_path)!r} + '/r' + os.environ['RANK'], 'w').write("
+              "json.dumps([os.environ[k] for k in keys]))")  # fmt: skip
+    with open(tmp_path / "log.txt", "w") as sink:
+        assert _run_ranks([sys.executable, "-c", record], 2, tmp_path / "m", sink, None) == 0
+    (r0, w0, port0, omp0), (r1, w1, port1, omp1) = (
+        json.loads((tmp_path / f"r{r}").read_text()) for r in (0, 1))  # fmt: skip
+    assert (r0, r1, w0, w1) == ("0", "1", "2", "2") and port0 == port1
+    assert int(omp0) == int(omp1) == max(1, (os.cpu_count() or 1) // 2)
+    crash = "import os, sys, time; time.sleep(60) if os.environ['RANK'] == '0' else sys.exit(3)"
+    began = time.perf_counter()
+    with open(tmp_path / "log.txt", "w") as sink:
+        assert _run_ranks([sys.executable, "-c", crash], 2, tmp_path / "m", sink, None) == 3
+    assert time.perf_counter() - began < 15
