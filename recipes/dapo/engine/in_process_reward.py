@@ -5,7 +5,7 @@ its own (`AgentLoopWorker._compute_score`: the sample packed into a DataProto, p
 scored by `RewardLoopWorker.compute_score`, the result sent back). For a rule-based score
 (the DAPO recipe's math_dapo, a few microseconds of string work) the hop is the cost: on the
 2-core CPU run the reward process alone held 0.13 cores during generation, beside the
-agent loop's packing and the Ray calls (docs/timing.md, "A newcomer's first run").
+agent loop's packing and the Ray calls (docs/first_run.md, "The reused run").
 
 The hook verl offers is its agent-loop manager class
 (`rollout.agent.agent_loop_manager_class`, read by `TaskRunnerV1.init_agent_loop_manager`).
