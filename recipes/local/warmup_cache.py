@@ -4,9 +4,10 @@ A warm-up is deterministic for the same base model (every file of it: config, we
 the seed, tokenizer), the same SFT corpus, the same steps and settings (warmup.WARMUP), the
 same code (the repository modules its process and its export reach:
 recipes.local.import_closure from CODE_ROOTS) and the same library releases (torch,
-megatron-core, verl, transformers). `warmup_key` hashes all of them. An entry, `<cache>/<key>/`, is the exported HF
-model with a manifest of every file's sha256 (converters.manifest); a run reuses it only after
-every byte matches, and makes it again otherwise (a damaged entry is never trained from).
+megatron-core, verl, transformers). `warmup_key` hashes all of them. An entry,
+`<cache>/<key>/`, is the exported HF model with a manifest of every file's sha256
+(converters.manifest); a run reuses it only after every byte matches, and makes it again
+otherwise (a damaged entry is never trained from).
 The cache is `<the run directory's parent>/.warmup_cache` (runs/.warmup_cache by default), or
 MCORE_DAPO_WARMUP_CACHE; it is safe to move or delete: a run then warms up again.
 """

@@ -3,7 +3,7 @@
 bootstrap.sh byte-compiles only these for a run (with PYTHONDONTWRITEBYTECODE set, as in many
 images, an uncompiled module is compiled again in every process that imports it); the rest of
 the set (anthropic's and openai's clients, transformers' other models, ...: ~55% of its
-bytecode, ~20 s on 2 cores) only with --test-overlays, for the tests. A directory missing from
+bytecode, 25-27 s on 2 cores) only with --test-overlays, for the tests. A directory missing from
 the list costs speed, never correctness: its modules are then compiled in memory.
 
 Made by recording a run: Python writes every module a process imports under one prefix, Ray's
@@ -46,8 +46,8 @@ def listed() -> list[str]:
 
 def compile_listed(site: Path, workers: int | None = None) -> tuple[int, int]:
     """Byte-compile the modules of the listed directories (not their subdirectories) under
-    `site`, in one pool of `workers` processes (compileall's -j makes a pool a directory: ~10 s
-    of pool starts over ~1,200 directories). Returns (modules, failed): a module that does not
+    `site`, in one pool of `workers` processes (compileall's -j makes a pool a directory: 12 s
+    of pool starts over 1,232 directories). Returns (modules, failed): a module that does not
     compile (a template, another Python's syntax) is skipped, as pip does; a listed directory
     the set lacks too."""
     files = [

@@ -45,3 +45,27 @@ def test_every_listed_directory_is_in_the_installed_set():
     assert not missing, f"{len(missing)} listed directories are not installed, e.g. {missing[:3]}"
     for package in ("torch", "vllm", "verl", "megatron/core", "ray", "transformers"):
         assert package in dirs
+
+
+def test_compile_takes_the_listed_directories_alone(tmp_path, monkeypatch):
+    """The bootstrap's stage: every module of a listed directory compiled, not its
+    subdirectories' (not listed: a run does not import them), a module that does not compile
+    and a listed directory the set lacks skipped, counted. Bug caught: the whole tree compiled
+    again (36 s), or one bad file failing the bootstrap."""
+    from importlib.util import cache_from_source
+
+    from scripts.stacks import bytecode_dirs
+
+    site = tmp_path / "site"
+    (site / "pkg" / "sub").mkdir(parents=True)
+    for name, text in {"pkg/a.py": "x = 1\n", "pkg/bad.py": "def (:\n", "pkg/sub/b.py": "y = 2\n",
+                       "top.py": "z = 3\n"}.items():  # fmt: skip
+        (site / name).write_text(text)
+    listing = tmp_path / "list.txt"
+    listing.write_text("# recorded\n.\npkg\nmissing\n")
+    monkeypatch.setattr(bytecode_dirs, "LIST", listing)
+    assert bytecode_dirs.compile_listed(site, workers=2) == (3, 1)
+    compiled = {p: Path(cache_from_source(str(site / p))).is_file()
+                for p in ("top.py", "pkg/a.py", "pkg/bad.py", "pkg/sub/b.py")}  # fmt: skip
+    assert compiled == {"top.py": True, "pkg/a.py": True, "pkg/bad.py": False,
+                        "pkg/sub/b.py": False}  # fmt: skip
