@@ -95,3 +95,45 @@ def test_every_run_rolls_out_through_our_loop(argv, tmp_path):
     assert kv[f"{r}.default_agent_loop"] == overrides.AGENT_LOOP
     assert kv[f"{r}.agent_loop_config_path"] == str(overrides.AGENT_LOOPS)
     assert overrides.AGENT_LOOPS.is_absolute() and overrides.AGENT_LOOPS.is_file()
+
+
+def test_requests_ask_for_tokens_only_and_one_output_only_in_sync():
+    """The loop's vLLM request: no detokenizing in every mode; one output at the end only in
+    the sync trainer (verl's pause in the async modes waits on each request's first output,
+    vllm_async_server.py:970, which one-output-at-the-end would hold to its end). Catches the
+    caller's dict changed in place (verl reuses it for every sample of the batch)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from recipes.dapo.engine.compact_routes import tokens_only
+
+    given = {"temperature": 1.0, "top_p": 1.0, "logprobs": 0}
+    sync, async_ = tokens_only(given, final_only=True), tokens_only(given, final_only=False)
+    assert given == {"temperature": 1.0, "top_p": 1.0, "logprobs": 0}
+    assert sync == {**given, "detokenize": False, "output_kind": RequestOutputKind.FINAL_ONLY}
+    assert async_ == {**given, "detokenize": False}
+    params = SamplingParams(max_tokens=4, **sync)  # what verl's server builds from it
+    assert params.output_kind is RequestOutputKind.FINAL_ONLY and not params.detokenize
+
+
+@pytest.mark.parametrize("mode, final_only", [("sync", True), ("colocate_async", False)])
+def test_the_loop_asks_by_the_trainer_mode(mode, final_only, monkeypatch):
+    """CompactRoutesAgentLoop.run hands verl's loop the tokens-only request of its trainer
+    mode and narrows what comes back."""
+    import asyncio
+
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from recipes.dapo.engine.compact_routes import CompactRoutesAgentLoop, CompactRoutesOutput
+
+    asked = {}
+
+    async def verls_run(self, sampling_params, priority=0, **kwargs):
+        asked.update(sampling_params)
+        return output(mission_routes())
+
+    monkeypatch.setattr(SingleTurnAgentLoop, "run", verls_run)
+    loop = object.__new__(CompactRoutesAgentLoop)
+    loop.config = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}}})
+    out = asyncio.run(loop.run({"temperature": 1.0}, raw_prompt=[]))
+    assert isinstance(out, CompactRoutesOutput) and asked["detokenize"] is False
+    assert ("output_kind" in asked) is final_only

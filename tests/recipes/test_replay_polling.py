@@ -57,7 +57,7 @@ def test_the_runs_buffer_is_verls_own_but_for_its_poll(model, tmp_path):
     buffer, so one that dropped them would train without DAPO's group filter (or refill
     one batch where verl refills a group at a time) and nothing would say so."""
     from recipes.dapo.engine.replay_polling import PollingReplayBuffer
-    from recipes.local.cpu_overrides import POLL_S
+    from recipes.local.cpu_overrides import POLL_S, TASKS
 
     cfg = _run_config(tmp_path, "--model", model)
     ours, verls = _stand_in_trainer(cfg)._build_replay_buffer(), _verls_own(cfg)
@@ -65,7 +65,8 @@ def test_the_runs_buffer_is_verls_own_but_for_its_poll(model, tmp_path):
     assert (ours.poll_interval, verls.poll_interval) == (POLL_S, 2.0)
     assert _settings(ours) == _settings(verls)
     assert ours.filter_groups_metric == "acc" and ours.gen_batch_size == 1
-    assert ours.max_inflight_gen_batches == 2
+    task = TASKS["sums" if model == "mini" else "doubles"]
+    assert ours.max_inflight_gen_batches == task["inflight_gen_batches"]
 
 
 def test_async_modes_keep_verls_buffer(tmp_path):

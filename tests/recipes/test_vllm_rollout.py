@@ -177,6 +177,31 @@ def test_fp32_rollout_equals_transformers_with_the_kernels_routes(fp32_llm, acto
     assert compared == sum(len(s["prompt"]) + len(s["response"]) - 1 for s in samples) * 2
 
 
+def test_a_tokens_only_request_samples_what_a_detokenized_one_does(fp32_llm):
+    """The agent loop's requests (recipes.dapo.engine.compact_routes.tokens_only: no
+    detokenizing) give the same tokens, log-probs and routes, and no text: catches a vLLM
+    whose sampling or log-probs depend on the detokenizer, or a request that still
+    detokenizes. Greedy, so that the prefix cache's rounding cannot pick another token."""
+    from vllm import SamplingParams
+
+    from recipes.dapo.engine.compact_routes import tokens_only
+
+    def generate(**extra):
+        params = SamplingParams(max_tokens=8, logprobs=0, temperature=0.0, **extra)
+        requests = fp32_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                     use_tqdm=False)  # fmt: skip
+        return [r.outputs[0] for r in requests]
+
+    for plain, lean in zip(generate(), generate(**tokens_only({}, final_only=False)), strict=True):
+        assert list(plain.token_ids) == list(lean.token_ids) and plain.text and not lean.text
+        gaps = [abs(a[t].logprob - b[t].logprob)
+                for a, b, t in zip(plain.logprobs, lean.logprobs, plain.token_ids, strict=True)]  # fmt: skip
+        assert max(gaps) < LOGPROB_TOLERANCE
+        assert torch.equal(
+            torch.as_tensor(plain.routed_experts), torch.as_tensor(lean.routed_experts)
+        )
+
+
 def test_a_weight_update_reaches_every_cpu_kernel(fp32_llm, models, actor):
     """After loading other weights as verl's update does, vLLM samples from them: linears kept
     their weights (mutation: packed and freed, the load fails), the experts were prepacked
