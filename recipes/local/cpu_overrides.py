@@ -74,9 +74,9 @@ SUMS = dict(
     overlong_buffer=8,
     lr=2e-4,
     # one train batch of prompts in flight, not two: on 2 cores vLLM generates a group as fast
-    # with 8 prompts in flight as with 16 (0.30-0.31 s against 0.32), and verl's sync buffer
-    # drains and discards what is in flight once a batch is full (surplus 37-46 groups a run
-    # against 72; docs/first_run.md)
+    # with 8 prompts in flight as with 16 (0.29-0.32 s a group against 0.32), and verl's sync
+    # buffer drains and discards what is in flight once a batch is full (surplus 27-46 groups
+    # a run against 72; docs/first_run.md)
     inflight_gen_batches=1,
     score="verl",  # verl's math_dapo on "Answer: N", nothing of ours
     batched_tokens=512,
