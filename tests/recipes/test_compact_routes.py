@@ -136,4 +136,5 @@ def test_the_loop_asks_by_the_trainer_mode(mode, final_only, monkeypatch):
     loop.config = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}}})
     out = asyncio.run(loop.run({"temperature": 1.0}, raw_prompt=[]))
     assert isinstance(out, CompactRoutesOutput) and asked["detokenize"] is False
+    assert out.as_dict()["routed_experts"].dtype == torch.uint8
     assert ("output_kind" in asked) is final_only
