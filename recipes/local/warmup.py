@@ -37,9 +37,9 @@ ENGINE_MODULE = "recipes.dapo.engine.verl_engine"
 # (two ranks: 0.32, 0.64, 0.89, 0.49, 0.49, 0.45, 0.43 at steps 140-260 by 20); at 260 it starts
 # RL as one rank's 200 steps did (accuracy 0.70, 43% guessed; docs/mini_task.md)
 # aux_coeff: Qwen3's released balancing coefficient, per micro-batch (one a rank a step: no
-# extra forward). Without it the router learns the corpus's few token types onto few experts
-# (busiest expert 5.8-6.9x the mean, one EP-2 rank 1.04-1.38x the mean load), a skew Qwen3's
-# own routing does not have and every EP rank waits on (docs/ab_profile.md)
+# extra forward). Without it the router learnt the corpus's few token types onto few experts
+# (busiest expert 5.8-6.9x the mean, one EP-2 rank up to 1.38x the mean load), unlike Qwen3's
+# own routing; with it 2.9-4.3x and 1.00-1.08x (docs/mini_task.md)
 WARMUP = dict(steps=260, batch=32, lr=3e-3, warmup_steps=5, max_length=96, aux_coeff=0.001)
 
 
