@@ -36,11 +36,7 @@ ENGINE_MODULE = "recipes.dapo.engine.verl_engine"
 # 260 steps: at a constant lr the share of sums the policy guesses swings from step to step
 # (two ranks: 0.32, 0.64, 0.89, 0.49, 0.49, 0.45, 0.43 at steps 140-260 by 20); at 260 it starts
 # RL as one rank's 200 steps did (accuracy 0.70, 43% guessed; docs/mini_task.md)
-# aux_coeff: Qwen3's released balancing coefficient, per micro-batch (one a rank a step: no
-# extra forward). Without it the router learnt the corpus's few token types onto few experts
-# (busiest expert 5.8-6.9x the mean, one EP-2 rank up to 1.38x the mean load), unlike Qwen3's
-# own routing; with it 2.9-4.3x and 1.00-1.08x (docs/mini_task.md)
-WARMUP = dict(steps=260, batch=32, lr=3e-3, warmup_steps=5, max_length=96, aux_coeff=0.001)
+WARMUP = dict(steps=260, batch=32, lr=3e-3, warmup_steps=5, max_length=96)
 
 
 def sft_config(
@@ -90,7 +86,6 @@ def sft_config(
             # heap to the OS for the next step to fault back in: 697-703 -> 583 ms a step. One
             # short process on the whole machine: nothing to give memory back to
             "cpu_trim_heap": "off",
-            "aux_loss": {"mode": "on", "type": "micro_batch", "coeff": WARMUP["aux_coeff"]},
         }
     )
     return cfg

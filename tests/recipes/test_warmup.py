@@ -26,9 +26,6 @@ def test_sft_config_is_verls_with_our_engine_section(tmp_path):
     assert (engine.experts, engine.attention, engine.packed) == ("grouped", "sdpa", True)
     # no heap trim at verl's per-step offload: the next step faulted it back in, +20% a step
     assert engine.cpu_trim_heap == "off"
-    # Qwen3's balancing: without it the router learns the corpus's few tokens onto few experts
-    # and one EP rank computes 1.04-1.38x the mean load while the others wait
-    assert engine.aux_loss == {"mode": "on", "type": "micro_batch", "coeff": 0.001}
     assert (
         cfg.model.external_lib == "recipes.dapo.engine.verl_engine"
     )  # registers mcore_ep in the ranks
